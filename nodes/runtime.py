@@ -1,0 +1,217 @@
+"""Per-patched-model state while sampling: which step we are at, which plans are cached, what it cost.
+
+One ``MergeRuntime`` lives in the closures of one patched MODEL (closures are shared, not deep-copied,
+when ComfyUI clones a patcher). It never holds on to anything across sampling runs: a run start (seen
+through a sampler wrapper where the host has one, or a rising sigma otherwise) clears every cache.
+"""
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..toma_core import CATOME_CONFIG3, ReuseSchedule, SigmaClock, catome_checkpoints, catome_plan, plan_tiles, tomesd_plan
+
+log = logging.getLogger("ComfyUI-ToMA")
+
+
+def progress_of_sigma(model_sampling, sigma: float) -> float:
+    """Inverse of ComfyUI's ``percent_to_sigma`` (fraction of the model's noise schedule already done),
+    found by bisection so it holds for every model_sampling (discrete, flow with shift, ...)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        if float(model_sampling.percent_to_sigma(mid)) > sigma:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+@dataclass
+class ToMAMethod:
+    """ToMA: one plan per block group (level) and batch layout, shared by the group's blocks in a step,
+    destinations and weights reused per the schedule."""
+
+    ratio: float
+    tile: int
+    schedule: ReuseSchedule
+    tau: float
+    exact: bool
+    seed: int = 0
+    shared_per_level = True
+
+    def plan(self, cached, features, hw, step, progress, total, group):
+        decision = self.schedule.decide(step, progress, group)
+        if not decision.merge:
+            return None
+        if cached is not None and not decision.new_destinations and not decision.new_weights:
+            return cached
+        x = features()
+        if cached is not None and not decision.new_destinations:
+            return plan_tiles(x, hw, self.tile, self.ratio, self.tau, self.exact,
+                              destinations=getattr(cached, "destinations", None))
+        gen = torch.Generator(device=x.device).manual_seed(self.seed)
+        return plan_tiles(x, hw, self.tile, self.ratio, self.tau, self.exact, generator=gen)
+
+
+@dataclass
+class ToMeSDMethod:
+    """ToMeSD: a fresh bipartite matching in every merged block call, as the tomesd package does."""
+
+    ratio: float
+    sx: int
+    sy: int
+    seed: int
+    shared_per_level = False
+
+    def plan(self, cached, features, hw, step, progress, total, group):
+        x = features()
+        gen = torch.Generator(device=x.device).manual_seed(self.seed)
+        return tomesd_plan(x, hw, self.ratio, self.sx, self.sy, generator=gen)
+
+
+@dataclass
+class CAToMeMethod:
+    """CA-ToMe: per block, threshold matching recomputed at the checkpoint steps (CONFIG 3 rescaled to the
+    run's steps), reused in between. Without the run's schedule (older ComfyUI) a checkpoint is any step
+    whose progress passes one of the config's fractions."""
+
+    threshold: float
+    sx: int
+    sy: int
+    seed: int
+    checkpoints: tuple = CATOME_CONFIG3
+    _progress_seen: dict = field(default_factory=dict)
+    shared_per_level = False
+
+    def is_checkpoint(self, step, progress, total, group) -> bool:
+        if total is not None:
+            return step in catome_checkpoints(total, self.checkpoints)
+        last = self._progress_seen.get(group)
+        self._progress_seen[group] = progress
+        marks = [s / 50 for s in self.checkpoints]
+        return last is None or any(last < m <= progress for m in marks)
+
+    def plan(self, cached, features, hw, step, progress, total, group):
+        if cached is not None and not self.is_checkpoint(step, progress, total, group):
+            return cached
+        x = features()
+        gen = torch.Generator(device=x.device).manual_seed(self.seed)
+        return catome_plan(x, hw, self.threshold, self.sx, self.sy, generator=gen)
+
+    def reset(self):
+        self._progress_seen.clear()
+
+
+@dataclass
+class LevelStats:
+    tokens: int = 0
+    merged_tokens: int = 0
+    steps: set = field(default_factory=set)
+
+
+class MergeRuntime:
+    """Step tracking, plan cache and cost accounting for one patched model."""
+
+    def __init__(self, method, model_sampling, name: str):
+        self.method = method
+        self.model_sampling = model_sampling
+        self.name = name
+        self.clock = SigmaClock()
+        self.plans: dict = {}
+        self.failed: set = set()
+        self.levels: dict[str, LevelStats] = {}
+        self.seconds = {"select": 0.0, "merge": 0.0, "unmerge": 0.0}
+        self.run_started = None
+        self.run_listeners = []
+        self._progress_cache = (None, 0.0)
+
+    # -- run boundaries -------------------------------------------------------------------------
+    def reset(self):
+        self.plans.clear()
+        self.failed.clear()
+        self.levels.clear()
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.clock.reset()
+        getattr(self.method, "schedule", None) and self.method.schedule.reset()
+        hasattr(self.method, "reset") and self.method.reset()
+        self.run_started = time.perf_counter()
+
+    def end_run(self):
+        summary = self.summary()
+        for listener in self.run_listeners:
+            try:
+                listener(summary)
+            except Exception:  # a stats listener must never break sampling
+                log.exception("ToMA: stats listener failed")
+
+    def outer_sample_wrapper(self, executor, *args, **kwargs):
+        """CUR's OUTER_SAMPLE wrapper: a clean slate for every sampling run, stats at its end."""
+        self.reset()
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            self.end_run()
+
+    # -- step ---------------------------------------------------------------------------------
+    def locate(self, transformer_options):
+        """(step, progress, total) of the current model call, from the sampler's sigmas."""
+        sigmas = transformer_options.get("sigmas")
+        if sigmas is None:
+            return None
+        sigma = float(sigmas.flatten()[0])
+        schedule = transformer_options.get("sample_sigmas")
+        step, total, new_run = self.clock.observe(sigma, None if schedule is None else schedule.tolist())
+        if new_run and (self.plans or self.levels):
+            self.reset()
+            self.clock.observe(sigma, None if schedule is None else schedule.tolist())
+        if self.run_started is None:
+            self.run_started = time.perf_counter()
+        if self._progress_cache[0] != sigma:
+            self._progress_cache = (sigma, progress_of_sigma(self.model_sampling, sigma))
+        return step, self._progress_cache[1], total
+
+    # -- plans --------------------------------------------------------------------------------
+    def plan(self, key, features, hw, transformer_options, level_name: str):
+        """The plan for this call, or None to run unmerged. ``features`` is a zero-argument callable
+        returning the (B, N, C) features that decide similarity (only called when a plan is built)."""
+        if key in self.failed:
+            return None
+        where = self.locate(transformer_options)
+        if where is None:
+            return None
+        step, progress, total = where
+        cached = self.plans.get(key)
+        start = time.perf_counter()
+        try:
+            plan = self.method.plan(cached, features, hw, step, progress, total, key)
+        except Exception as e:  # never crash mid-sampling: run this block unmerged from now on
+            log.warning("ToMA: merging disabled for %s (%s: %s)", key, type(e).__name__, e)
+            self.failed.add(key)
+            return None
+        if plan is None:
+            return None
+        if plan is not cached:
+            self.seconds["select"] += time.perf_counter() - start
+            self.plans[key] = plan
+        stats = self.levels.setdefault(level_name, LevelStats())
+        stats.tokens, stats.merged_tokens = hw[0] * hw[1], plan.num_merged
+        stats.steps.add(step)
+        return plan
+
+    def timed(self, kind, fn, x):
+        start = time.perf_counter()
+        out = fn(x)
+        self.seconds[kind] += time.perf_counter() - start
+        return out
+
+    def summary(self) -> dict:
+        wall = None if self.run_started is None else time.perf_counter() - self.run_started
+        return {
+            "method": self.name,
+            "levels": {k: {"tokens": v.tokens, "merged_tokens": v.merged_tokens, "steps": len(v.steps)}
+                       for k, v in sorted(self.levels.items())},
+            "seconds": dict(self.seconds),
+            "wall_seconds": wall,
+        }

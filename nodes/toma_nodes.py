@@ -1,0 +1,228 @@
+"""The node classes (V1 API: loaded by the pinned March-2024 ComfyUI and by current ComfyUI alike).
+
+Each node takes a MODEL and returns a patched clone; the input MODEL is never changed. Model families
+are handled by adapters (``unet``; DiTs in ``dit``); a model no adapter supports comes back unpatched
+with a log message saying why.
+"""
+import logging
+
+from ..toma_core import DEFAULT_TAU, CATOME_CONFIG3, ReuseSchedule
+from . import unet
+from .runtime import CAToMeMethod, MergeRuntime, ToMAMethod, ToMeSDMethod
+
+log = logging.getLogger("ComfyUI-ToMA")
+
+CATEGORY = "model_patches/token_merging"
+
+# Defaults chosen from docs/benchmarks.md (speed at small fidelity loss on SD1.5 and SDXL).
+DEFAULT_RATIO = 0.5
+DEFAULT_WINDOW = 4
+DEFAULT_REUSE = 5
+
+
+def check_range(name: str, value, low, high):
+    """Errors that name the input and its allowed range (ComfyUI validates the same ranges in the UI)."""
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+def model_sampling_of(model):
+    if hasattr(model, "get_model_object"):
+        return model.get_model_object("model_sampling")
+    return model.model.model_sampling
+
+
+def apply_method(model, method, name: str, levels: str = "auto", scope: str = "attention"):
+    """Patch ``model`` with ``method`` through the adapter of its family; unsupported: unpatched."""
+    if method is None:
+        return model.clone()
+    runtime = MergeRuntime(method, model_sampling_of(model), name)
+    if unet.is_unet(model):
+        return unet.patch_unet(model, runtime, levels, scope)
+    log.warning("ToMA: %s is not supported by %s (no UNet transformer blocks found); returning the model "
+                "unpatched", type(model.model).__name__, name)
+    return model
+
+
+def _float(default, low, high, step, tooltip):
+    return ("FLOAT", {"default": default, "min": low, "max": high, "step": step, "tooltip": tooltip})
+
+
+def _int(default, low, high, tooltip):
+    return ("INT", {"default": default, "min": low, "max": high, "tooltip": tooltip})
+
+
+MODEL_INPUT = ("MODEL", {"tooltip": "The diffusion model to patch. It is cloned; the input stays unchanged."})
+RATIO_INPUT = _float(DEFAULT_RATIO, 0.0, 0.9, 0.05,
+                     "Fraction of image tokens removed before attention. 0 = off (output identical to the "
+                     "unpatched model); 0.5 is a good balance; above 0.75 quality drops.")
+WINDOW_INPUT = _int(DEFAULT_WINDOW, 1, 32,
+                    "Side, in tokens, of the local square window inside which destinations are chosen and "
+                    "tokens merged. Small windows keep merges local and selection cheap.")
+REUSE_INPUT = _int(DEFAULT_REUSE, 1, 100,
+                   "Steps between destination recomputations; in between, the destinations are reused "
+                   "(pattern reuse).")
+
+
+class ToMAPatchModel:
+    DESCRIPTION = ("ToMA token merging (ICML 2025): in each local window, picks destination tokens by greedy "
+                   "facility location, merges the others into them with attention-like weights before "
+                   "self-attention and unmerges after it. Faster sampling on SD1.x/SD2.x/SDXL with little "
+                   "change to the image.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The patched model: connect it to a sampler.",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": MODEL_INPUT, "ratio": RATIO_INPUT, "window_size": WINDOW_INPUT,
+                             "reuse_interval": REUSE_INPUT},
+                "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    def patch(self, model, ratio, window_size, reuse_interval, unique_id=None):
+        return ToMAPatchModelAdvanced().patch(model, ratio, window_size, reuse_interval, unique_id=unique_id)
+
+
+class ToMAPatchModelAdvanced:
+    DESCRIPTION = ("ToMA token merging with every knob: what runs merged (scope), which UNet levels, "
+                   "how often weights are refreshed, the part of the schedule that merges, softmax sharpness "
+                   "and exact pseudo-inverse unmerging.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The patched model: connect it to a sampler.",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": MODEL_INPUT, "ratio": RATIO_INPUT, "window_size": WINDOW_INPUT,
+                "reuse_interval": REUSE_INPUT,
+                "scope": (["attention", "block"], {
+                    "default": "attention",
+                    "tooltip": "attention: only self-attention runs on merged tokens. block: self-attention, "
+                               "cross-attention and feed-forward all run merged (faster, more change)."}),
+                "levels": (list(unet.LEVEL_CHOICES), {
+                    "default": "auto",
+                    "tooltip": "UNet resolutions to merge, as downsample factors. auto: the highest-resolution "
+                               "level with attention (1/1 on SD1.x/SD2.x, 1/2 on SDXL); auto+next adds the "
+                               "level below it."}),
+                "weights_interval": _int(1, 1, 100, "Steps between merge-weight refreshes (at most the "
+                                                    "reuse interval matters; 1 = every step)."),
+                "start_percent": _float(0.0, 0.0, 1.0, 0.01, "Merge from this point of the schedule on "
+                                                             "(0 = first step)."),
+                "end_percent": _float(1.0, 0.0, 1.0, 0.01, "Stop merging at this point of the schedule "
+                                                           "(1 = last step)."),
+                "tau": _float(DEFAULT_TAU, 1.0, 10000.0, 1.0, "Softmax sharpness of the merge weights. "
+                              "Large = each token goes to its most similar destination."),
+                "exact_unmerge": ("BOOLEAN", {"default": False, "tooltip": "Unmerge with the exact "
+                                  "pseudo-inverse (useful for small tau); off = the transpose, exact for large tau."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def patch(self, model, ratio, window_size, reuse_interval, scope="attention", levels="auto",
+              weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
+              unique_id=None):
+        check_range("ratio", ratio, 0.0, 0.9)
+        check_range("window_size", window_size, 1, 32)
+        check_range("reuse_interval", reuse_interval, 1, 100)
+        check_range("weights_interval", weights_interval, 1, 100)
+        check_range("start_percent", start_percent, 0.0, 1.0)
+        check_range("end_percent", end_percent, 0.0, 1.0)
+        check_range("tau", tau, 1.0, 10000.0)
+        schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval)
+        method = None if ratio == 0 else ToMAMethod(ratio, window_size, schedule, tau, exact_unmerge)
+        return (apply_method(model, method, "ToMA", levels, scope),)
+
+
+def _downsample_levels(max_downsample: int) -> str:
+    return ",".join(str(d) for d in (1, 2, 4, 8) if d <= max_downsample)
+
+
+TOME_COMMON = {
+    "max_downsample": ([1, 2, 4, 8], {"default": 1, "tooltip": "Merge in UNet levels downsampled at most this "
+                       "much (1 = full resolution only, as ToMeSD's default; SDXL has no attention there, use 2)."}),
+    "sx": _int(2, 1, 8, "Width of the cell that holds one destination."),
+    "sy": _int(2, 1, 8, "Height of the cell that holds one destination."),
+    "seed": _int(0, 0, 2**31 - 1, "Seed of the random destination position in each cell."),
+}
+
+
+class ToMeSDPatchModel:
+    DESCRIPTION = ("ToMeSD baseline (Bolya & Hoffman 2023), as in the tomesd package: one random destination "
+                   "per 2x2 cell, bipartite matching by cosine, the most similar sources averaged in; seeded.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": MODEL_INPUT,
+                             "ratio": _float(0.5, 0.0, 0.75, 0.05, "Fraction of tokens merged away (ToMeSD "
+                                             "caps it at 1 - 1/(sx*sy))."),
+                             **TOME_COMMON},
+                "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    def patch(self, model, ratio, max_downsample=1, sx=2, sy=2, seed=0, unique_id=None):
+        check_range("ratio", ratio, 0.0, 0.75)
+        check_range("max_downsample", max_downsample, 1, 8)
+        check_range("sx", sx, 1, 8)
+        check_range("sy", sy, 1, 8)
+        method = None if ratio == 0 else ToMeSDMethod(ratio, sx, sy, seed)
+        return (apply_method(model, method, "ToMeSD", _downsample_levels(max_downsample)),)
+
+
+def parse_checkpoints(text: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(sorted({int(s) for s in text.replace(" ", "").split(",") if s}))
+    except ValueError:
+        raise ValueError(f"checkpoints must be comma-separated step numbers between 0 and 49, got {text!r}")
+    if not steps or steps[0] < 0 or steps[-1] > 49:
+        raise ValueError(f"checkpoints must be comma-separated step numbers between 0 and 49, got {text!r}")
+    return steps
+
+
+class CAToMePatchModel:
+    DESCRIPTION = ("CA-ToMe baseline (Saghatchian et al. 2025): ToMeSD's matching, but merges the sources "
+                   "whose similarity reaches a threshold, and reuses the matches between checkpoint steps.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": MODEL_INPUT,
+                             "threshold": _float(0.7, -1.0, 1.0, 0.01, "Sources at least this cosine-similar "
+                                                 "to a destination are merged; 1 = almost nothing merged."),
+                             "checkpoints": ("STRING", {"default": ",".join(map(str, CATOME_CONFIG3)),
+                                             "tooltip": "Steps of a 50-step run at which matches are "
+                                                        "recomputed (rescaled to the run's steps); the paper's "
+                                                        "CONFIG 3 by default."}),
+                             **TOME_COMMON},
+                "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    def patch(self, model, threshold, checkpoints=",".join(map(str, CATOME_CONFIG3)), max_downsample=1, sx=2,
+              sy=2, seed=0, unique_id=None):
+        check_range("threshold", threshold, -1.0, 1.0)
+        check_range("max_downsample", max_downsample, 1, 8)
+        check_range("sx", sx, 1, 8)
+        check_range("sy", sy, 1, 8)
+        method = CAToMeMethod(threshold, sx, sy, seed, parse_checkpoints(checkpoints))
+        return (apply_method(model, method, "CA-ToMe", _downsample_levels(max_downsample)),)
+
+
+NODE_CLASS_MAPPINGS = {
+    "ToMAPatchModel": ToMAPatchModel,
+    "ToMAPatchModelAdvanced": ToMAPatchModelAdvanced,
+    "ToMeSDPatchModel": ToMeSDPatchModel,
+    "CAToMePatchModel": CAToMePatchModel,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "ToMAPatchModel": "ToMA Token Merge",
+    "ToMAPatchModelAdvanced": "ToMA Token Merge (Advanced)",
+    "ToMeSDPatchModel": "ToMeSD Token Merge",
+    "CAToMePatchModel": "CA-ToMe Token Merge",
+}

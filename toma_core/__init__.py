@@ -1,0 +1,21 @@
+"""Pure-torch token merging engine (never imports ComfyUI).
+
+- ``tiles``: cut a row-major token grid into local tiles and back.
+- ``selection``: greedy facility location, batched over tiles and batch rows.
+- ``plan``: ToMA's merge plan, M = row-normalised softmax(tau * cos), unmerge U = A^T (or pinv).
+- ``schedule``: merge window and pattern reuse, keyed on sampler sigmas.
+- ``baselines``: ToMeSD and CA-ToMe behind the same merge/unmerge interface.
+"""
+from .baselines import CATOME_CONFIG3, BipartitePlan, catome_checkpoints, catome_plan, tomesd_plan
+from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, destinations_per_tile, plan_tiles
+from .schedule import ReuseSchedule, SigmaClock, StepDecision, step_from_sigmas
+from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
+from .tiles import TileGrid, tile_tokens, untile_tokens
+
+__all__ = [
+    "CATOME_CONFIG3", "BipartitePlan", "catome_checkpoints", "catome_plan", "tomesd_plan",
+    "DEFAULT_TAU", "IdentityPlan", "MergePlan", "destinations_per_tile", "plan_tiles",
+    "ReuseSchedule", "SigmaClock", "StepDecision", "step_from_sigmas",
+    "cosine_similarity", "facility_location", "select_destinations", "stochastic_facility_location",
+    "TileGrid", "tile_tokens", "untile_tokens",
+]

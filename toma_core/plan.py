@@ -1,0 +1,141 @@
+"""ToMA merge plans: attention-like soft assignment of every token to its tile's destinations.
+
+For one tile with normalised tokens X (S x C) and destinations Dn (D x C):
+    A = softmax(tau * Dn X^T) over the destination axis   (D x S, each column sums to 1)
+    M = A / rowsum(A)                                      (merge: each row a weighted average)
+    U = A^T                                                (unmerge; = pinv(M) when A is hard)
+Merging and unmerging are batched matmuls over (B, T) with tiny D x S matrices: no sort, no scatter.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .selection import select_destinations
+from .tiles import TileGrid, tile_tokens, untile_tokens
+
+DEFAULT_TAU = 1000.0
+
+
+def destinations_per_tile(grid: TileGrid, ratio: float) -> torch.Tensor:
+    """(T,) long: how many destinations each tile keeps, round((1 - ratio) * real tokens), at least 1."""
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"ratio must be in [0, 1), got {ratio}")
+    real = grid.valid.sum(-1)
+    return torch.round(real * (1.0 - ratio)).long().clamp_(min=1)
+
+
+@dataclass
+class MergePlan:
+    """Merge/unmerge operators for one token grid, one per batch row.
+
+    destinations: (B, T, D) long, index inside the tile of each destination; -1 for a slot the tile
+                  does not use (edge tiles keep fewer destinations).
+    merge_weights: (B, T, D, S) M, in the dtype of the activations it is applied to.
+    unmerge_weights: (B, T, S, D) U.
+    live: (N',) long, which of the T*D slots hold a real merged token; None when all do.
+    """
+
+    grid: TileGrid
+    destinations: torch.Tensor
+    merge_weights: torch.Tensor
+    unmerge_weights: torch.Tensor
+    live: torch.Tensor | None
+
+    @property
+    def batch_size(self) -> int:
+        return self.destinations.shape[0]
+
+    @property
+    def num_merged(self) -> int:
+        if self.live is not None:
+            return self.live.numel()
+        return self.destinations.shape[1] * self.destinations.shape[2]
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, C) -> (B, N', C)."""
+        B, T, D, _ = self.merge_weights.shape
+        merged = (self.merge_weights @ tile_tokens(x, self.grid)).view(B, T * D, -1)
+        return merged if self.live is None else merged.index_select(1, self.live)
+
+    def unmerge(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, N', C) -> (B, N, C)."""
+        B, T, D, _ = self.merge_weights.shape
+        if self.live is not None:
+            y = y.new_zeros(B, T * D, y.shape[-1]).index_copy_(1, self.live, y)
+        return untile_tokens(self.unmerge_weights @ y.view(B, T, D, -1), self.grid)
+
+    def destination_tokens(self) -> torch.Tensor:
+        """(B, N') long raster index of each merged token's destination (for positional tables)."""
+        B, T, D = self.destinations.shape
+        origin = self.grid.tile_origin.to(self.destinations.device)
+        raster = origin[torch.arange(T, device=origin.device)[:, None], self.destinations.clamp(min=0)]
+        raster = raster.reshape(B, T * D)
+        return raster if self.live is None else raster.index_select(1, self.live)
+
+    def to(self, dtype: torch.dtype) -> "MergePlan":
+        return MergePlan(self.grid, self.destinations, self.merge_weights.to(dtype),
+                         self.unmerge_weights.to(dtype), self.live)
+
+
+class IdentityPlan:
+    """The plan for ratio 0: nothing is merged, merge and unmerge return their input unchanged."""
+
+    def __init__(self, grid: TileGrid, batch_size: int):
+        self.grid, self.batch_size, self.num_merged = grid, batch_size, grid.num_tokens
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def unmerge(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def destination_tokens(self) -> torch.Tensor:
+        return torch.arange(self.num_merged).expand(self.batch_size, -1)
+
+    def to(self, dtype: torch.dtype) -> "IdentityPlan":
+        return self
+
+
+def plan_tiles(
+    x: torch.Tensor,
+    hw: tuple[int, int],
+    tile: int,
+    ratio: float,
+    tau: float = DEFAULT_TAU,
+    exact: bool = False,
+    destinations: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> "MergePlan | IdentityPlan":
+    """Build a ToMA plan from block features.
+
+    x: (B, N, C) features that decide similarity (the block's normalised input), N = h*w row-major.
+    hw: (h, w) token grid. tile: tile side in tokens. ratio: fraction of tokens removed, in [0, 1).
+    tau: softmax sharpness; large tau makes A hard and U = A^T the exact pseudo-inverse of M.
+    exact: unmerge with the true pseudo-inverse of M (fp32), for soft tau.
+    destinations: (B, T, D) from an earlier plan of the same grid, to refresh only the weights.
+    generator: seeded generator for the stochastic selector used on large tiles.
+    Weights are computed in fp32 and returned in x's dtype.
+    """
+    grid = TileGrid(hw[0], hw[1], tile)
+    if ratio == 0.0:
+        return IdentityPlan(grid, x.shape[0])
+    keep = destinations_per_tile(grid, ratio).to(x.device)
+    valid = grid.valid.to(x.device)
+    feats = F.normalize(tile_tokens(x, grid).float(), dim=-1, eps=1e-6)  # (B, T, S, C)
+    D = int(keep.max())
+    live_slot = torch.arange(D, device=x.device)[None, :] < keep[:, None]  # (T, D)
+    if destinations is None:
+        destinations = select_destinations(feats, D, valid, generator=generator)
+        destinations = destinations.masked_fill(~live_slot, -1)
+    elif destinations.shape[1:] != (grid.num_tiles, D) or destinations.shape[0] != x.shape[0]:
+        raise ValueError(f"destinations {tuple(destinations.shape)} do not fit batch {x.shape[0]} and {grid}")
+    used = destinations >= 0  # (B, T, D)
+    dst = feats.gather(2, destinations.clamp(min=0)[..., None].expand(-1, -1, -1, feats.shape[-1]))
+    logits = (dst @ feats.transpose(-1, -2)).mul_(tau)  # (B, T, D, S)
+    logits.masked_fill_(~used[..., None], float("-inf"))
+    A = logits.softmax(dim=-2) * valid[None, :, None, :]
+    M = A / A.sum(-1, keepdim=True).clamp_min(1e-12)
+    U = torch.linalg.pinv(M) if exact else A.transpose(-1, -2)
+    live = None if bool(live_slot.all()) else live_slot.flatten().nonzero().squeeze(1)
+    return MergePlan(grid, destinations, M.to(x.dtype), U.to(x.dtype), live)

@@ -1,0 +1,116 @@
+"""When to merge, and when to recompute destinations or merge weights (pattern reuse).
+
+The step index always comes from the sampler's sigmas, never from counting model calls: samplers call
+the model a varying number of times per step (CFG batches split for memory, multi-stage solvers), so a
+call counter drifts. ``SigmaClock`` turns the current sigma (and the run's sigma schedule where the host
+gives one) into a step index and notices when a new sampling run starts.
+"""
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+
+def _check_fraction(name: str, value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return float(value)
+
+
+def _check_interval(name: str, value: int) -> int:
+    if int(value) != value or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    merge: bool
+    new_destinations: bool
+    new_weights: bool
+
+
+@dataclass
+class ReuseSchedule:
+    """Per block group: merge inside [start_percent, end_percent) of the schedule; recompute destinations
+    every ``reuse_interval`` steps and the merge weights every ``weights_interval`` steps (in between, reuse
+    the last ones). A group is any hashable, e.g. (resolution level, batch layout); the first block of a
+    group in a step gets the recompute decision, later blocks of that step reuse its plan."""
+
+    start_percent: float = 0.0
+    end_percent: float = 1.0
+    reuse_interval: int = 5
+    weights_interval: int = 1
+    _last: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        _check_fraction("start_percent", self.start_percent)
+        _check_fraction("end_percent", self.end_percent)
+        if self.start_percent > self.end_percent:
+            raise ValueError(f"start_percent ({self.start_percent}) must not exceed end_percent ({self.end_percent})")
+        _check_interval("reuse_interval", self.reuse_interval)
+        _check_interval("weights_interval", self.weights_interval)
+
+    def reset(self) -> None:
+        """Forget every group's plan history; called at the start of each sampling run."""
+        self._last.clear()
+
+    def in_window(self, progress: float) -> bool:
+        """progress: fraction of the schedule done at this step, in [0, 1)."""
+        return self.start_percent <= progress and (progress < self.end_percent or self.end_percent >= 1.0)
+
+    def decide(self, step: int, progress: float, group: Hashable) -> StepDecision:
+        if not self.in_window(progress):
+            return StepDecision(False, False, False)
+        last = self._last.get(group)
+        if last is None or step < last[0] or step - last[0] >= self.reuse_interval:
+            self._last[group] = (step, step)
+            return StepDecision(True, True, True)
+        if step - last[1] >= self.weights_interval:
+            self._last[group] = (last[0], step)
+            return StepDecision(True, False, True)
+        return StepDecision(True, False, False)
+
+
+def step_from_sigmas(sigma: float, sample_sigmas: Sequence[float]) -> int:
+    """Index of the step whose sigma is ``sigma`` in a schedule of steps+1 sigmas; for sigmas between
+    schedule points (multi-stage solvers), the step whose interval contains it."""
+    sched = [float(s) for s in sample_sigmas]
+    for i, s in enumerate(sched[:-1]):
+        if abs(s - sigma) <= 1e-4 * max(abs(s), 1e-8):
+            return i
+    above = sum(1 for s in sched[:-1] if s > sigma)
+    return max(above - 1, 0)
+
+
+@dataclass
+class SigmaClock:
+    """Step index and run boundaries from sigmas.
+
+    With the run's schedule (``sample_sigmas``), the step is its index there and the total is known. Without
+    it (older ComfyUI), the step is the number of distinct sigmas seen in this run; sigmas fall within a run,
+    so a sigma above the previous one starts a new run.
+    """
+
+    _schedule: tuple | None = None
+    _last_sigma: float | None = None
+    _distinct: int = -1
+
+    def observe(self, sigma: float, sample_sigmas: Sequence[float] | None = None) -> tuple[int, int | None, bool]:
+        """Returns (step, total_steps or None, new_run)."""
+        sigma = float(sigma)
+        schedule = None if sample_sigmas is None else tuple(round(float(s), 6) for s in sample_sigmas)
+        new_run = (
+            self._last_sigma is None
+            or sigma > self._last_sigma * (1 + 1e-6) + 1e-12
+            or schedule != self._schedule
+        )
+        if new_run:
+            self._distinct = -1
+        if new_run or sigma != self._last_sigma:
+            self._distinct += 1
+        self._schedule, self._last_sigma = schedule, sigma
+        if schedule is not None:
+            return step_from_sigmas(sigma, schedule), len(schedule) - 1, new_run
+        return self._distinct, None, new_run
+
+    def reset(self) -> None:
+        self._schedule, self._last_sigma, self._distinct = None, None, -1

@@ -1,0 +1,94 @@
+"""Destination selection by greedy facility location, batched over every tile of every batch row.
+
+F(D) = sum_j max_{i in D} sim(i, j) is monotone submodular when sim >= 0, so greedy picking reaches at
+least (1 - 1/e) of the best D of the same size. All sets are processed at once: one loop over the k
+picks, no loop over tiles or tokens.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Above this many tokens per tile the exact greedy's O(k * S^2) per set stops being cheap next to the
+# attention it saves (measured: 1-3% at S <= 64, 30-80% at S = 256), so we switch to stochastic greedy.
+EXACT_GREEDY_MAX_TILE = 64
+STOCHASTIC_EPSILON = 0.01
+
+
+def cosine_similarity(x: torch.Tensor) -> torch.Tensor:
+    """(..., S, C) -> (..., S, S) similarity (1 + cos) / 2 in [0, 1], fp32. Zero vectors give 0.5."""
+    xn = F.normalize(x.float(), dim=-1, eps=1e-6)
+    return (xn @ xn.transpose(-1, -2)).add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
+
+
+def facility_location(sim: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy facility location on a batch of similarity matrices.
+
+    sim:   (..., S, S), non-negative; sim[..., i, j] = how well i represents j.
+    valid: (..., S) bool, broadcastable; False marks padding, which is never chosen and never counted.
+    Returns (..., k) long indices in pick order, no duplicates. Where a set has fewer than k valid
+    tokens, the slots after the last valid pick are -1.
+    """
+    return _greedy(sim, k, valid, sample_size=None, generator=None)
+
+
+def stochastic_facility_location(
+    sim: torch.Tensor,
+    k: int,
+    valid: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    epsilon: float = STOCHASTIC_EPSILON,
+) -> torch.Tensor:
+    """Stochastic greedy (Mirzasoleiman et al., 2015): each pick scores only a random sample of
+    ceil(S/k * ln(1/epsilon)) candidates, giving (1 - 1/e - epsilon) in expectation at O(S) per pick
+    instead of O(S^2). Same arguments and result as :func:`facility_location`."""
+    S = sim.shape[-1]
+    sample = max(1, min(S, math.ceil(S / max(k, 1) * math.log(1.0 / epsilon))))
+    return _greedy(sim, k, valid, sample_size=sample, generator=generator)
+
+
+def select_destinations(
+    features: torch.Tensor, k: int, valid: torch.Tensor | None = None, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """(..., S, C) tile features -> (..., k) destination indices; exact greedy for small tiles,
+    stochastic greedy above ``EXACT_GREEDY_MAX_TILE`` tokens per tile."""
+    sim = cosine_similarity(features)
+    if features.shape[-2] <= EXACT_GREEDY_MAX_TILE:
+        return facility_location(sim, k, valid)
+    return stochastic_facility_location(sim, k, valid, generator=generator)
+
+
+def _greedy(sim, k, valid, sample_size, generator):
+    *batch, S, S2 = sim.shape
+    if S != S2:
+        raise ValueError(f"sim must be square in its last two dims, got {tuple(sim.shape)}")
+    if not 1 <= k <= S:
+        raise ValueError(f"k must be in [1, {S}], got {k}")
+    sim = sim.reshape(-1, S, S)
+    P = sim.shape[0]
+    if valid is None:
+        candidate = torch.ones(P, S, dtype=torch.bool, device=sim.device)
+    else:
+        candidate = valid.to(device=sim.device, dtype=torch.bool).expand(*batch, S).reshape(P, S).clone()
+        sim = sim * candidate[:, None, :]  # padding needs no covering
+    cover = sim.new_zeros(P, S)
+    picks = torch.empty(P, k, dtype=torch.long, device=sim.device)
+    slots = torch.arange(S, device=sim.device)
+    rows = torch.arange(P, device=sim.device)
+    for i in range(k):
+        if sample_size is None:
+            gain = (sim - cover[:, None, :]).clamp_min_(0.0).sum(-1)
+            gain.masked_fill_(~candidate, -1.0)
+            best = gain.argmax(-1)
+        else:
+            keys = torch.rand(P, S, device=sim.device, generator=generator).masked_fill_(~candidate, -1.0)
+            cand = keys.topk(sample_size, dim=-1).indices  # (P, R)
+            rows_sim = sim[rows[:, None], cand]  # (P, R, S)
+            gain = (rows_sim - cover[:, None, :]).clamp_min_(0.0).sum(-1)
+            gain.masked_fill_(~candidate.gather(1, cand), -1.0)
+            best = cand.gather(1, gain.argmax(-1, keepdim=True)).squeeze(1)
+        ok = candidate[rows, best]
+        picks[:, i] = torch.where(ok, best, -1)
+        candidate &= slots[None, :] != best[:, None]
+        cover = torch.maximum(cover, sim[rows, best] * ok[:, None])
+    return picks.view(*batch, k)
