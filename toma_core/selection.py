@@ -7,7 +7,6 @@ picks, no loop over tiles or tokens.
 import math
 
 import torch
-import torch.nn.functional as F
 
 # Above this many tokens per tile the exact greedy's O(k * S^2) per set stops being cheap next to the
 # attention it saves (measured: 1-3% at S <= 64, 30-80% at S = 256), so we switch to stochastic greedy.
@@ -17,7 +16,18 @@ STOCHASTIC_EPSILON = 0.01
 
 def cosine_similarity(x: torch.Tensor) -> torch.Tensor:
     """(..., S, C) -> (..., S, S) similarity (1 + cos) / 2 in [0, 1], fp32. Zero vectors give 0.5."""
-    xn = F.normalize(x.float(), dim=-1, eps=1e-6)
+    return unit_similarity(unit_vectors(x))
+
+
+def unit_vectors(x: torch.Tensor) -> torch.Tensor:
+    """L2-normalise the last dim in fp32, as F.normalize(eps=1e-6) but one multiply by the reciprocal norm
+    (F.normalize divides by an expanded norm, a slow path: 2.5x slower on CPU)."""
+    x = x.float()
+    return x * torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6).reciprocal()
+
+
+def unit_similarity(xn: torch.Tensor) -> torch.Tensor:
+    """:func:`cosine_similarity` of vectors that are already unit (or zero)."""
     return (xn @ xn.transpose(-1, -2)).add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
 
 
@@ -52,8 +62,12 @@ def select_destinations(
 ) -> torch.Tensor:
     """(..., S, C) tile features -> (..., k) destination indices; exact greedy for small tiles,
     stochastic greedy above ``EXACT_GREEDY_MAX_TILE`` tokens per tile."""
-    sim = cosine_similarity(features)
-    if features.shape[-2] <= EXACT_GREEDY_MAX_TILE:
+    return select_by_similarity(cosine_similarity(features), k, valid, generator)
+
+
+def select_by_similarity(sim, k, valid=None, generator=None) -> torch.Tensor:
+    """:func:`select_destinations` from a ready (..., S, S) similarity."""
+    if sim.shape[-1] <= EXACT_GREEDY_MAX_TILE:
         return facility_location(sim, k, valid)
     return stochastic_facility_location(sim, k, valid, generator=generator)
 
