@@ -1,0 +1,43 @@
+"""Shared pytest setup.
+
+The repo root goes on sys.path so engine tests can ``import toma_core`` without ComfyUI. Nothing
+here imports ComfyUI: tests that need it ask for the ``comfy`` fixture (or call comfy_host directly).
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:  # `import comfy_host` from any test, whatever pytest's import mode
+    sys.path.insert(0, TESTS)
+
+import comfy_host  # noqa: E402  (imports nothing from ComfyUI)
+
+
+@pytest.fixture(scope="session")
+def comfy() -> Path:
+    """ComfyUI imported in-process on CPU with built-in extra nodes registered; the tree's path."""
+    return comfy_host.import_comfy()
+
+
+@pytest.fixture(scope="session")
+def pack(comfy):
+    """The pack imported as ``comfyui_toma`` (see comfy_host.load_pack)."""
+    return comfy_host.load_pack()
+
+
+def pytest_collection_modifyitems(items):
+    # Tests that use the ComfyUI fixtures carry the `comfy` marker even if their author forgot it,
+    # so `-m "not comfy"` really skips everything that imports ComfyUI.
+    for item in items:
+        if {"comfy", "pack"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.comfy)
+
+
+def pytest_report_header(config):
+    return f"ComfyUI tree: {os.environ.get('COMFYUI_PATH') or REPO / '.comfyui'} (COMFYUI_PATH overrides)"
