@@ -98,11 +98,14 @@ def main(argv=None) -> None:
                     help="auto: CPU fp32, plus CUDA fp16 when available")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available")
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = []
     if args.device in ("auto", "cpu"):
-        runs.append((torch.device("cpu"), torch.float32, f"CPU, {torch.get_num_threads()} threads"))
+        threads = torch.get_num_threads()
+        runs.append((torch.device("cpu"), torch.float32, f"CPU, {threads} thread{'s' * (threads > 1)}"))
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         runs.append((torch.device("cuda"), torch.float16, torch.cuda.get_device_name()))
     print(f"torch {torch.__version__}; ratio {RATIO}; median of {args.repeats}; costs in % of one SDPA "

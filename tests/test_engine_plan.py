@@ -1,0 +1,260 @@
+"""ToMA merge plans: M = row-normalised softmax(tau * cos) over destinations, U = A^T (or pinv(M))."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toma_core import DEFAULT_TAU, IdentityPlan, MergePlan, TileGrid, destinations_per_tile, plan_tiles, tile_tokens
+
+CASES = [((8, 8), 4), ((6, 10), 4), ((12, 12), 8), ((7, 9), 3), ((10, 9), 16)]  # tile 16: stochastic greedy
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def live_mask(plan: MergePlan) -> torch.Tensor:
+    """(T, D) bool: the destination slots that hold a real merged token."""
+    D = plan.destinations.shape[-1]
+    live = torch.zeros(plan.grid.num_tiles * D, dtype=torch.bool)
+    live[plan.live if plan.live is not None else slice(None)] = True
+    return live.view(plan.grid.num_tiles, D)
+
+
+def reference_weights(x: torch.Tensor, plan: MergePlan, tau: float):
+    """toma.md section 3, one tile at a time: (M, U) as (B, T, D, S) and (B, T, S, D), dead slots zero."""
+    grid = plan.grid
+    tiles = F.normalize(tile_tokens(x.double(), grid), dim=-1, eps=1e-6)
+    B, T, S, _ = tiles.shape
+    D = plan.destinations.shape[-1]
+    M = torch.zeros(B, T, D, S, dtype=torch.float64)
+    U = torch.zeros(B, T, S, D, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            dests = [int(d) for d in plan.destinations[b, t] if d >= 0]
+            Xn = tiles[b, t]
+            A = (tau * Xn[dests] @ Xn.T).softmax(dim=0) * grid.valid[t]
+            M[b, t, : len(dests)] = A / A.sum(1, keepdim=True)
+            U[b, t, :, : len(dests)] = A.T
+    return M, U
+
+
+def weight_atol(tau: float) -> float:
+    """The engine's logits tau * cos are fp32: an absolute error of about tau * 1e-7 reaches the weights."""
+    return 1e-5 + 2e-7 * tau
+
+
+def top2_gap(x: torch.Tensor, plan: MergePlan) -> torch.Tensor:
+    """(B, T): over the tile's real tokens, the smallest gap between the best and second-best cosine to a
+    destination. tau * gap large means the softmax is hard for every token of the tile."""
+    feats = F.normalize(tile_tokens(x.double(), plan.grid), dim=-1, eps=1e-6)
+    dst = feats.gather(2, plan.destinations.clamp(min=0)[..., None].expand(-1, -1, -1, feats.shape[-1]))
+    cos = (dst @ feats.transpose(-1, -2)).masked_fill(plan.destinations[..., None] < 0, float("-inf"))
+    if cos.shape[2] == 1:
+        return torch.full(cos.shape[:2], float("inf"), dtype=torch.float64)
+    top = cos.topk(2, dim=2).values
+    gap = (top[:, :, 0] - top[:, :, 1]).masked_fill(~plan.grid.valid, float("inf"))
+    return gap.nan_to_num(nan=float("inf"), posinf=float("inf")).amin(-1)
+
+
+def palette_tokens(hw, tile, ratio, C=32, seed=0):
+    """Tokens drawn from a few random vectors, no more per tile than the tile keeps destinations."""
+    g = gen(seed)
+    P = min(4, int(destinations_per_tile(TileGrid(hw[0], hw[1], tile), ratio).min()))
+    palette = torch.randn(P, C, generator=g) * torch.rand(P, 1, generator=g).add(0.5)
+    return palette[torch.randint(P, (2, hw[0] * hw[1]), generator=g)]
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+@pytest.mark.parametrize("hw,tile", CASES)
+def test_unmerge_of_merge_recovers_tokens_that_are_equal_within_each_group(hw, tile, ratio):
+    x = palette_tokens(hw, tile, ratio)
+    plan = plan_tiles(x, hw, tile, ratio, generator=gen(1))
+    merged = plan.merge(x)
+    assert merged.shape == (2, plan.num_merged, x.shape[-1])
+    assert torch.allclose(plan.unmerge(merged), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("hw,tile", [((8, 8), 4), ((6, 10), 4), ((7, 9), 3), ((16, 16), 4), ((12, 12), 8)])
+def test_unmerge_is_the_pseudo_inverse_where_the_softmax_is_hard(hw, tile):
+    # U = A^T equals pinv(M) only when A is hard. On random tokens at tau = 1000 that holds tile by tile
+    # where every token's best destination beats its runner-up by a cosine margin of ~0.01 or more; with
+    # high-dimensional random tokens (cosines all near 0) many tiles miss that margin and the transpose is
+    # only close (see test_soft_ties_split_weight). Low-dimensional tokens keep most tiles hard.
+    tau = DEFAULT_TAU
+    x = torch.randn(2, hw[0] * hw[1], 8, generator=gen(hw[0] + tile))
+    plan = plan_tiles(x, hw, tile, 0.5, tau=tau, generator=gen(2))
+    M, U = plan.merge_weights.double(), plan.unmerge_weights.double()
+    pinv = torch.linalg.pinv(M)
+    rel = torch.linalg.matrix_norm(U - pinv) / torch.linalg.matrix_norm(pinv)  # (B, T)
+    hard = top2_gap(x, plan) * tau > 12  # every token's runner-up destination gets < exp(-12) of its weight
+    assert hard.float().mean() >= 0.6, "too few hard tiles for the test to mean anything"
+    assert rel[hard].max() < 1e-3
+    # and on hard tiles merge . unmerge is the identity on the merged tokens (M A^T = I)
+    MU = M @ U
+    eye = torch.diag_embed(live_mask(plan).double()).expand_as(MU)
+    assert (MU - eye).abs()[hard].max() < 1e-5
+
+
+def test_soft_ties_split_weight():
+    # A token equally close to two destinations is shared between them, so there A^T is not pinv(M).
+    g = gen(12)
+    a, b = torch.randn(2, 16, generator=g)
+    tie = F.normalize(a, dim=0) + F.normalize(b, dim=0)  # exactly as close to a as to b
+    x = torch.stack([a, b, a + 1e-3 * b, tie]).view(1, 4, 16)  # a 2x2 grid: one tile, keeps 2
+    plan = plan_tiles(x, (2, 2), 2, 0.5, destinations=torch.tensor([[[0, 1]]]))
+    A = plan.unmerge_weights[0, 0]  # (S, D) = A^T
+    assert torch.allclose(A[:3], torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), atol=1e-6)
+    assert torch.allclose(A[3], torch.tensor([0.5, 0.5]), atol=1e-3)
+    pinv = torch.linalg.pinv(plan.merge_weights[0, 0].double())
+    assert float((A.double() - pinv).norm() / pinv.norm()) > 0.05
+
+
+def test_pseudo_inverse_on_well_separated_tokens_everywhere():
+    hw, tile = (12, 12), 4
+    x = palette_tokens(hw, tile, 0.5, C=64, seed=3)
+    plan = plan_tiles(x, hw, tile, 0.5)
+    pinv = torch.linalg.pinv(plan.merge_weights.double())
+    U = plan.unmerge_weights.double()
+    assert float(torch.linalg.vector_norm(U - pinv) / torch.linalg.vector_norm(pinv)) < 1e-3
+
+
+@pytest.mark.parametrize("hw,tile", [((8, 8), 4), ((6, 10), 4)])
+def test_exact_unmerge_at_soft_tau(hw, tile):
+    x = torch.randn(2, hw[0] * hw[1], 16, generator=gen(4))
+    soft = plan_tiles(x, hw, tile, 0.5, tau=5.0)
+    exact = plan_tiles(x, hw, tile, 0.5, tau=5.0, exact=True)
+    assert torch.equal(exact.destinations, soft.destinations)
+    assert torch.equal(exact.merge_weights, soft.merge_weights)
+    pinv = torch.linalg.pinv(exact.merge_weights)
+    assert torch.allclose(exact.unmerge_weights, pinv, atol=1e-5)
+    # at tau = 5 the transpose is far from the pseudo-inverse: exact=True is what makes the difference
+    rel = torch.linalg.vector_norm(soft.unmerge_weights - pinv) / torch.linalg.vector_norm(pinv)
+    assert rel > 0.05
+    y = torch.randn(2, exact.num_merged, 16, generator=gen(5))
+    assert torch.allclose(exact.merge(exact.unmerge(y)), y, atol=1e-4)
+    assert not torch.allclose(soft.merge(soft.unmerge(y)), y, atol=1e-2)
+
+
+def test_weights_match_the_formula_tile_by_tile():
+    for hw, tile, tau in [((6, 10), 4, DEFAULT_TAU), ((7, 9), 3, 20.0), ((8, 8), 4, 5.0)]:
+        x = torch.randn(2, hw[0] * hw[1], 12, generator=gen(tile))
+        plan = plan_tiles(x, hw, tile, 0.5, tau=tau)
+        M, U = reference_weights(x, plan, tau)
+        assert torch.allclose(plan.merge_weights.double(), M, atol=weight_atol(tau))
+        assert torch.allclose(plan.unmerge_weights.double(), U, atol=weight_atol(tau))
+
+
+@pytest.mark.parametrize("hw,tile", CASES)
+def test_ratio_zero_is_the_identity(hw, tile):
+    x = torch.randn(2, hw[0] * hw[1], 8, generator=gen(0))
+    plan = plan_tiles(x, hw, tile, 0.0)
+    assert isinstance(plan, IdentityPlan)
+    assert plan.num_merged == x.shape[1]
+    assert torch.equal(plan.merge(x), x)
+    assert torch.equal(plan.unmerge(x), x)
+    assert torch.equal(plan.destination_tokens(), torch.arange(x.shape[1]).expand(2, -1))
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.25, 0.5, 0.6, 0.75, 0.9])
+@pytest.mark.parametrize("hw,tile", CASES + [((5, 5), 4), ((3, 17), 8)])
+def test_token_counts(hw, tile, ratio):
+    grid = TileGrid(hw[0], hw[1], tile)
+    keep = destinations_per_tile(grid, ratio)
+    real = grid.valid.sum(-1)
+    assert ((keep - real * (1 - ratio)).abs() <= 0.5 + 1e-6).logical_or(keep == 1).all()
+    assert (keep >= 1).all() and (keep <= real).all()
+    x = torch.randn(1, grid.num_tokens, 4, generator=gen(1))
+    plan = plan_tiles(x, hw, tile, ratio, generator=gen(0))
+    assert plan.num_merged == int(keep.sum())
+    assert plan.merge(x).shape == (1, int(keep.sum()), 4)
+    assert plan.destination_tokens().shape == (1, int(keep.sum()))
+    assert plan.unmerge(plan.merge(x)).shape == x.shape
+    assert ((plan.destinations >= 0).sum(-1) == keep).all()  # each tile uses exactly its quota
+
+
+@pytest.mark.parametrize("tau", [DEFAULT_TAU, 5.0])
+@pytest.mark.parametrize("hw,tile", CASES)
+def test_rows_of_merge_and_unmerge_sum_to_one(hw, tile, tau):
+    x = torch.randn(2, hw[0] * hw[1], 16, generator=gen(7))
+    plan = plan_tiles(x, hw, tile, 0.5, tau=tau, generator=gen(0))
+    live = live_mask(plan).expand(2, -1, -1)
+    rows_m = plan.merge_weights.sum(-1)
+    assert torch.allclose(rows_m[live], torch.ones(()), atol=1e-5)
+    assert (rows_m[~live] == 0).all()
+    rows_u = plan.unmerge_weights.sum(-1)
+    valid = plan.grid.valid.expand(2, -1, -1)
+    assert torch.allclose(rows_u[valid], torch.ones(()), atol=1e-5)
+    assert (rows_u[~valid] == 0).all()
+    assert (plan.merge_weights >= 0).all() and (plan.unmerge_weights >= 0).all()
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 1e-2), (torch.bfloat16, 6e-2)])
+@pytest.mark.parametrize("hw,tile", [((8, 8), 4), ((6, 10), 4), ((10, 9), 16)])
+def test_half_precision(hw, tile, dtype, atol):
+    x = torch.randn(2, hw[0] * hw[1], 32, generator=gen(8)).to(dtype)
+    plan = plan_tiles(x, hw, tile, 0.5, generator=gen(3))
+    ref = plan_tiles(x.float(), hw, tile, 0.5, generator=gen(3))  # same values, weights in fp32
+    assert torch.equal(plan.destinations, ref.destinations)
+    assert plan.merge_weights.dtype == dtype and plan.unmerge_weights.dtype == dtype
+    assert torch.equal(plan.merge_weights, ref.merge_weights.to(dtype))
+    merged = plan.merge(x)
+    out = plan.unmerge(merged)
+    assert merged.dtype == dtype and out.dtype == dtype
+    assert torch.isfinite(merged).all() and torch.isfinite(out).all()
+    ref_merged = ref.merge(x.float())
+    assert torch.allclose(merged.float(), ref_merged, atol=atol, rtol=atol)
+    assert torch.allclose(out.float(), ref.unmerge(ref_merged), atol=2 * atol, rtol=2 * atol)
+
+
+@pytest.mark.parametrize("hw,tile", CASES)
+def test_given_destinations_are_kept_and_weights_refreshed(hw, tile):
+    g = gen(9)
+    x1 = torch.randn(2, hw[0] * hw[1], 16, generator=g)
+    x2 = torch.randn(2, hw[0] * hw[1], 16, generator=g)
+    first = plan_tiles(x1, hw, tile, 0.5, generator=gen(0))
+    again = plan_tiles(x1, hw, tile, 0.5, destinations=first.destinations)
+    assert torch.equal(again.destinations, first.destinations)
+    assert torch.equal(again.merge_weights, first.merge_weights)
+    assert torch.equal(again.unmerge_weights, first.unmerge_weights)
+    reused = plan_tiles(x2, hw, tile, 0.5, destinations=first.destinations)
+    assert torch.equal(reused.destinations, first.destinations)
+    assert not torch.allclose(reused.merge_weights, first.merge_weights)
+    M, U = reference_weights(x2, reused, DEFAULT_TAU)
+    assert torch.allclose(reused.merge_weights.double(), M, atol=weight_atol(DEFAULT_TAU))
+    assert torch.allclose(reused.unmerge_weights.double(), U, atol=weight_atol(DEFAULT_TAU))
+
+
+def test_given_destinations_of_the_wrong_shape_raise():
+    x = torch.randn(2, 64, 8, generator=gen(0))
+    plan = plan_tiles(x, (8, 8), 4, 0.5)
+    with pytest.raises(ValueError, match="destinations"):
+        plan_tiles(x[:1], (8, 8), 4, 0.5, destinations=plan.destinations)
+    with pytest.raises(ValueError, match="destinations"):
+        plan_tiles(x, (8, 8), 2, 0.5, destinations=plan.destinations)
+    with pytest.raises(ValueError, match="ratio"):
+        plan_tiles(x, (8, 8), 4, 1.0)
+
+
+@pytest.mark.parametrize("hw,tile", CASES)
+def test_destination_tokens_name_the_destinations(hw, tile):
+    x = torch.randn(2, hw[0] * hw[1], 8, generator=gen(10))
+    plan = plan_tiles(x, hw, tile, 0.5, generator=gen(0))
+    raster = plan.destination_tokens()
+    assert raster.shape == (2, plan.num_merged)
+    tiles = tile_tokens(x, plan.grid)
+    T, D = plan.destinations.shape[1:]
+    live = live_mask(plan)
+    for b in range(2):
+        assert len(set(raster[b].tolist())) == plan.num_merged
+        expected = torch.stack([tiles[b, t, plan.destinations[b, t, d]]
+                                for t in range(T) for d in range(D) if live[t, d]])
+        assert torch.equal(x[b, raster[b]], expected)
+
+
+def test_stochastic_selector_on_large_tiles_is_seeded():
+    x = torch.randn(1, 20 * 24, 16, generator=gen(11))
+    a = plan_tiles(x, (20, 24), 16, 0.75, generator=gen(1))
+    b = plan_tiles(x, (20, 24), 16, 0.75, generator=gen(1))
+    c = plan_tiles(x, (20, 24), 16, 0.75, generator=gen(2))
+    assert torch.equal(a.destinations, b.destinations)
+    assert not torch.equal(a.destinations, c.destinations)

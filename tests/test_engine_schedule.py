@@ -1,0 +1,148 @@
+"""Merge window, pattern reuse and the sigma-based step clock."""
+import math
+
+import pytest
+
+from toma_core import ReuseSchedule, SigmaClock, StepDecision, step_from_sigmas
+
+
+def karras(n: int, sigma_min: float = 0.0292, sigma_max: float = 14.6146, rho: float = 7.0) -> list[float]:
+    """Karras et al. (2022) schedule of n steps plus the final 0, as k-diffusion / ComfyUI build it."""
+    lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    return [(hi + i / (n - 1) * (lo - hi)) ** rho for i in range(n)] + [0.0]
+
+
+def expected(step: int, total: int, start: float, end: float, reuse: int, weights: int, first: int):
+    """The rule, stated per step: merge inside [start, end) of the run; counting from the first merged
+    step, new destinations every `reuse` steps and new weights every `weights` steps within each
+    destination period (a new destination set always comes with new weights)."""
+    progress = step / total
+    if not (start <= progress < end or (end >= 1.0 and progress >= start)):
+        return StepDecision(False, False, False)
+    offset = (step - first) % reuse
+    return StepDecision(True, offset == 0, offset % weights == 0)
+
+
+@pytest.mark.parametrize("total", [20, 50])
+@pytest.mark.parametrize("reuse,weights", [(5, 2), (3, 1), (1, 1), (4, 4), (7, 3)])
+def test_reuse_decisions_follow_the_rule(total, reuse, weights):
+    start, end = 0.1, 0.9
+    sched = ReuseSchedule(start_percent=start, end_percent=end, reuse_interval=reuse, weights_interval=weights)
+    merged = [s for s in range(total) if start <= s / total < end]
+    assert merged == list(range(math.ceil(start * total), math.ceil(end * total)))  # a contiguous window
+    got = [sched.decide(s, s / total, "g") for s in range(total)]
+    want = [expected(s, total, start, end, reuse, weights, merged[0]) for s in range(total)]
+    assert got == want
+    # and in counts: one destination set per `reuse` merged steps, rounded up
+    assert sum(d.new_destinations for d in got) == -(-len(merged) // reuse)
+    assert all(d.new_weights for d in got if d.new_destinations)
+
+
+def test_reuse_decisions_spelled_out_for_20_steps():
+    sched = ReuseSchedule(start_percent=0.1, end_percent=0.9, reuse_interval=5, weights_interval=2)
+    got = [sched.decide(s, s / 20, 0) for s in range(20)]
+    merge = [s for s, d in enumerate(got) if d.merge]
+    dst = [s for s, d in enumerate(got) if d.new_destinations]
+    wts = [s for s, d in enumerate(got) if d.new_weights]
+    # 0.1 * 20 = 2 and 0.9 * 20 = 18: steps 2..17 merge; destinations at 2, 7, 12, 17
+    assert merge == list(range(2, 18))
+    assert dst == list(range(2, 18, 5))
+    # weights at offsets 0, 2, 4 of each 5-step destination period
+    assert wts == [d + o for d in dst for o in (0, 2, 4) if d + o < 18]
+
+
+def test_end_percent_one_keeps_merging_to_the_last_step():
+    sched = ReuseSchedule(start_percent=0.5, end_percent=1.0, reuse_interval=2)
+    got = [sched.decide(s, s / 10, "g").merge for s in range(10)]
+    assert got == [s >= 5 for s in range(10)]
+    assert sched.in_window(1.0)
+
+
+def test_groups_are_independent_and_later_blocks_reuse():
+    sched = ReuseSchedule(start_percent=0.0, end_percent=1.0, reuse_interval=3, weights_interval=2)
+    a, b = [], []
+    for step in range(12):
+        a.append(sched.decide(step, step / 12, ("level", 0)))
+        # the second block of group a in the same step reuses what the first one computed
+        assert sched.decide(step, step / 12, ("level", 0)) == StepDecision(True, False, False)
+        if step >= 4:  # group b first seen at step 4
+            b.append(sched.decide(step, step / 12, ("level", 1)))
+    assert [s for s, d in enumerate(a) if d.new_destinations] == [0, 3, 6, 9]
+    assert [s + 4 for s, d in enumerate(b) if d.new_destinations] == [4, 7, 10]
+    assert [s for s, d in enumerate(a) if d.new_weights] == [0, 2, 3, 5, 6, 8, 9, 11]
+    assert [s + 4 for s, d in enumerate(b) if d.new_weights] == [4, 6, 7, 9, 10]
+
+
+def test_reset_and_step_going_back_recompute():
+    sched = ReuseSchedule(reuse_interval=10, weights_interval=10)
+    assert sched.decide(0, 0.0, "g") == StepDecision(True, True, True)
+    assert sched.decide(1, 0.05, "g") == StepDecision(True, False, False)
+    sched.reset()
+    assert sched.decide(2, 0.1, "g") == StepDecision(True, True, True)
+    assert sched.decide(3, 0.15, "g") == StepDecision(True, False, False)
+    # a new run that was not announced by reset(): the step index goes back
+    assert sched.decide(0, 0.0, "g") == StepDecision(True, True, True)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"start_percent": -0.1}, "start_percent"),
+    ({"start_percent": 1.5}, "start_percent"),
+    ({"end_percent": 1.01}, "end_percent"),
+    ({"end_percent": -1}, "end_percent"),
+    ({"start_percent": 0.8, "end_percent": 0.2}, "start_percent"),
+    ({"reuse_interval": 0}, "reuse_interval"),
+    ({"reuse_interval": 2.5}, "reuse_interval"),
+    ({"weights_interval": 0}, "weights_interval"),
+    ({"weights_interval": -3}, "weights_interval"),
+])
+def test_invalid_schedule_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ReuseSchedule(**kwargs)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 20, 50])
+def test_step_from_sigmas_on_a_karras_schedule(steps):
+    sched = karras(steps) if steps > 1 else [14.6146, 0.0]
+    for i in range(steps):
+        s = sched[i]
+        assert step_from_sigmas(s, sched) == i
+        assert step_from_sigmas(s * (1 + 3e-7), sched) == i  # the sigma as an fp32 tensor rounds it
+        assert step_from_sigmas(s * (1 - 3e-7), sched) == i
+        nxt = sched[i + 1]
+        for mid in ((s + nxt) / 2, math.sqrt(s * nxt) if nxt > 0 else s / 10, s * 0.999):
+            assert step_from_sigmas(mid, sched) == i  # a multi-stage solver's intermediate sigma
+    assert step_from_sigmas(sched[0] * 1.5, sched) == 0  # above the schedule
+
+
+def test_sigma_clock_with_schedule():
+    sched = karras(10)
+    clock = SigmaClock()
+    seen = []
+    for i in range(10):
+        for _ in range(3):  # cond, uncond and a split batch: several calls at one sigma
+            seen.append(clock.observe(sched[i], sched))
+        if i < 9:
+            seen.append(clock.observe(math.sqrt(sched[i] * sched[i + 1]), sched))  # second solver stage
+    steps = [s for s, _, _ in seen]
+    assert [s for s, _, _ in seen[::4]] == list(range(10))
+    assert all(steps[j] <= steps[j + 1] for j in range(len(steps) - 1))
+    assert all(total == 10 for _, total, _ in seen)
+    assert [new for _, _, new in seen] == [True] + [False] * (len(seen) - 1)
+    # a second run with the same schedule: the sigma rises, so it starts again at step 0
+    assert clock.observe(sched[0], sched) == (0, 10, True)
+    assert clock.observe(sched[1], sched) == (1, 10, False)
+    # a different schedule that starts lower is a new run too
+    other = karras(5, sigma_max=2.0)
+    assert clock.observe(other[0], other) == (0, 5, True)
+
+
+def test_sigma_clock_without_schedule_counts_distinct_sigmas():
+    sched = karras(8)
+    clock = SigmaClock()
+    for i in range(8):
+        for call in range(2):
+            assert clock.observe(sched[i]) == (i, None, i == 0 and call == 0)
+    assert clock.observe(sched[0]) == (0, None, True)  # rising sigma: a new run
+    assert clock.observe(sched[1]) == (1, None, False)
+    clock.reset()
+    assert clock.observe(sched[5]) == (0, None, True)

@@ -1,0 +1,89 @@
+"""Tiling of a row-major token grid: exact round trips, layout, padding."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toma_core import TileGrid, tile_tokens, untile_tokens
+
+GRIDS = [(8, 8), (16, 16), (6, 10), (10, 6), (7, 5), (1, 9), (13, 11), (3, 3)]
+TILES = [1, 2, 3, 4, 8, 16]
+
+
+def reference_tiles(x: torch.Tensor, h: int, w: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit loops: tile (r, c) row-major, slot (i, j) row-major inside; padding is zero / invalid."""
+    B, N, C = x.shape
+    rows, cols = -(-h // t), -(-w // t)
+    out = torch.zeros(B, rows * cols, t * t, C, dtype=x.dtype)
+    valid = torch.zeros(rows * cols, t * t, dtype=torch.bool)
+    for r in range(rows):
+        for c in range(cols):
+            for i in range(t):
+                for j in range(t):
+                    y, xx = r * t + i, c * t + j
+                    if y < h and xx < w:
+                        out[:, r * cols + c, i * t + j] = x[:, y * w + xx]
+                        valid[r * cols + c, i * t + j] = True
+    return out, valid
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("hw", GRIDS)
+def test_round_trip_is_exact_and_layout_matches_reference(hw, tile):
+    h, w = hw
+    x = torch.randn(2, h * w, 3, generator=torch.Generator().manual_seed(h * 100 + w))
+    grid = TileGrid(h, w, tile)
+    tiles = tile_tokens(x, grid)
+    assert tiles.shape == (2, grid.num_tiles, tile * tile, 3)
+    assert torch.equal(untile_tokens(tiles, grid), x)
+    ref, valid = reference_tiles(x, h, w, tile)
+    assert torch.equal(tiles, ref)
+    assert torch.equal(grid.valid, valid)
+    assert int(grid.valid.sum()) == h * w
+    assert grid.padded == (h % tile != 0 or w % tile != 0)
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("hw", GRIDS)
+def test_every_real_token_in_exactly_one_slot(hw, tile):
+    h, w = hw
+    grid = TileGrid(h, w, tile)
+    ids = torch.arange(1, h * w + 1, dtype=torch.float64).view(1, -1, 1)  # 0 would look like padding
+    tiles = tile_tokens(ids, grid)[0, ..., 0]
+    assert sorted(tiles[grid.valid].long().tolist()) == list(range(1, h * w + 1))
+    assert (tiles[~grid.valid] == 0).all()
+    # tile_origin names the raster index held by each real slot
+    assert torch.equal(grid.tile_origin[grid.valid] + 1, tiles[grid.valid].long())
+    assert grid.tile_origin.min() >= 0 and grid.tile_origin.max() < h * w
+
+
+@pytest.mark.parametrize("hw,tile", [((8, 8), 2), ((16, 8), 4), ((32, 32), 8), ((16, 16), 16)])
+def test_divisible_grid_matches_unfold(hw, tile):
+    h, w = hw
+    B, C = 2, 5
+    x = torch.randn(B, h * w, C, generator=torch.Generator().manual_seed(1))
+    img = x.transpose(1, 2).reshape(B, C, h, w)
+    cols = F.unfold(img, kernel_size=tile, stride=tile)  # (B, C * t * t, T), T in row-major tile order
+    ref = cols.view(B, C, tile * tile, -1).permute(0, 3, 2, 1)
+    assert torch.equal(tile_tokens(x, TileGrid(h, w, tile)), ref)
+
+
+def test_strided_inputs_and_extra_dtypes():
+    g = torch.Generator().manual_seed(2)
+    grid = TileGrid(6, 10, 4)
+    base = torch.randn(2, 60, 8, generator=g)
+    for x in (base[..., ::2], torch.randn(2, 4, 60, generator=g).transpose(1, 2)):
+        assert not x.is_contiguous()
+        assert torch.equal(tile_tokens(x, grid), tile_tokens(x.contiguous(), grid))
+        assert torch.equal(untile_tokens(tile_tokens(x, grid), grid), x)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = base.to(dtype)
+        assert torch.equal(untile_tokens(tile_tokens(x, grid), grid), x)
+
+
+def test_grid_validation():
+    with pytest.raises(ValueError, match="tile"):
+        TileGrid(4, 4, 0)
+    with pytest.raises(ValueError, match="grid"):
+        TileGrid(0, 4, 2)
+    with pytest.raises(ValueError, match="tokens"):
+        tile_tokens(torch.zeros(1, 15, 2), TileGrid(4, 4, 2))
