@@ -80,8 +80,9 @@ class MergePlan:
 class IdentityPlan:
     """The plan for ratio 0: nothing is merged, merge and unmerge return their input unchanged."""
 
-    def __init__(self, grid: TileGrid, batch_size: int):
+    def __init__(self, grid: TileGrid, batch_size: int, device: torch.device | None = None):
         self.grid, self.batch_size, self.num_merged = grid, batch_size, grid.num_tokens
+        self.device = device
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -90,7 +91,7 @@ class IdentityPlan:
         return y
 
     def destination_tokens(self) -> torch.Tensor:
-        return torch.arange(self.num_merged).expand(self.batch_size, -1)
+        return torch.arange(self.num_merged, device=self.device).expand(self.batch_size, -1)
 
     def to(self, dtype: torch.dtype) -> "IdentityPlan":
         return self
@@ -118,7 +119,7 @@ def plan_tiles(
     """
     grid = TileGrid(hw[0], hw[1], tile)
     if ratio == 0.0:
-        return IdentityPlan(grid, x.shape[0])
+        return IdentityPlan(grid, x.shape[0], x.device)
     keep = destinations_per_tile(grid, ratio).to(x.device)
     valid = grid.valid.to(x.device)
     feats = unit_vectors(tile_tokens(x, grid))  # (B, T, S, C) fp32
