@@ -1,4 +1,7 @@
 """ComfyUI glue: model adapters (per model family) and the node classes."""
-from .toma_nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from . import merge_map, toma_nodes
+
+NODE_CLASS_MAPPINGS = {**toma_nodes.NODE_CLASS_MAPPINGS, **merge_map.NODE_CLASS_MAPPINGS}
+NODE_DISPLAY_NAME_MAPPINGS = {**toma_nodes.NODE_DISPLAY_NAME_MAPPINGS, **merge_map.NODE_DISPLAY_NAME_MAPPINGS}
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

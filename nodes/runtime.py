@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..toma_core import CATOME_CONFIG3, ReuseSchedule, SigmaClock, catome_checkpoints, catome_plan, plan_tiles, tomesd_plan
+from .plan_records import record_plan
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -123,15 +124,23 @@ class MergeRuntime:
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
         self.seconds = {"select": 0.0, "merge": 0.0, "unmerge": 0.0}
+        self.records: dict[str, list] = {}  # level name -> PlanRecords of this run, in step order
         self.run_started = None
         self.run_listeners = []
+        self._unreported = False  # the model ran since the last end_run
         self._progress_cache = (None, 0.0)
+
+    def __deepcopy__(self, memo):
+        # ComfyUI deep-copies model_options (and the bound patch methods in it) on every clone (trap T6);
+        # all clones of a patched model must share one runtime, or resets and stats reach a stale copy.
+        return self
 
     # -- run boundaries -------------------------------------------------------------------------
     def reset(self):
         self.plans.clear()
         self.failed.clear()
         self.levels.clear()
+        self.records.clear()
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self.clock.reset()
         getattr(self.method, "schedule", None) and self.method.schedule.reset()
@@ -139,7 +148,12 @@ class MergeRuntime:
         self.run_started = time.perf_counter()
 
     def end_run(self):
+        """Report the run to the listeners, once (some samplers signal the end twice)."""
+        if not self._unreported:
+            return
+        self._unreported = False
         summary = self.summary()
+        self.run_started = None
         for listener in self.run_listeners:
             try:
                 listener(summary)
@@ -160,6 +174,7 @@ class MergeRuntime:
         sigmas = transformer_options.get("sigmas")
         if sigmas is None:
             return None
+        self._unreported = True
         sigma = float(sigmas.flatten()[0])
         schedule = transformer_options.get("sample_sigmas")
         step, total, new_run = self.clock.observe(sigma, None if schedule is None else schedule.tolist())
@@ -195,10 +210,21 @@ class MergeRuntime:
         if plan is not cached:
             self.seconds["select"] += time.perf_counter() - start
             self.plans[key] = plan
+            self.record(level_name, step, hw, plan)
         stats = self.levels.setdefault(level_name, LevelStats())
         stats.tokens, stats.merged_tokens = hw[0] * hw[1], plan.num_merged
         stats.steps.add(step)
         return plan
+
+    def record(self, level_name, step, hw, plan):
+        """Keep what the merge map needs of a newly built plan: one record per level and step."""
+        records = self.records.setdefault(level_name, [])
+        if records and records[-1].step == step:
+            return
+        try:
+            records.append(record_plan(plan, step, hw, self.method))
+        except Exception:  # the map is a diagnostic: never let it break sampling
+            log.exception("ToMA: could not record the plan of %s for the merge map", level_name)
 
     def timed(self, kind, fn, x):
         start = time.perf_counter()

@@ -7,7 +7,9 @@ with a log message saying why.
 import logging
 
 from ..toma_core import DEFAULT_TAU, CATOME_CONFIG3, ReuseSchedule
-from . import unet
+from . import dit, unet
+from .live_stats import stats_sender
+from .plan_records import attach_runtime
 from .runtime import CAToMeMethod, MergeRuntime, ToMAMethod, ToMeSDMethod
 
 log = logging.getLogger("ComfyUI-ToMA")
@@ -27,21 +29,43 @@ def check_range(name: str, value, low, high):
     return value
 
 
+def check_choice(name: str, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
 def model_sampling_of(model):
-    if hasattr(model, "get_model_object"):
-        return model.get_model_object("model_sampling")
-    return model.model.model_sampling
+    """The model's noise schedule; None for a model without one (not a diffusion model: unsupported)."""
+    try:
+        if hasattr(model, "get_model_object"):
+            return model.get_model_object("model_sampling")
+        return model.model.model_sampling
+    except AttributeError:
+        return None
 
 
-def apply_method(model, method, name: str, levels: str = "auto", scope: str = "attention"):
-    """Patch ``model`` with ``method`` through the adapter of its family; unsupported: unpatched."""
+def watched(patched, runtime: MergeRuntime, unique_id):
+    """Make ``runtime`` findable from the patched MODEL (merge map) and report its runs to the node."""
+    attach_runtime(patched, runtime)
+    if unique_id is not None:
+        runtime.run_listeners.append(stats_sender(unique_id))
+    return patched
+
+
+def apply_method(model, method, name: str, levels: str = "auto", scope: str = "attention", unique_id=None):
+    """Patch ``model`` with ``method`` through the adapter of its family; unsupported: unpatched.
+    ``unique_id``: the patch node's id, to which the live stats of each sampling run are sent."""
     if method is None:
         return model.clone()
     runtime = MergeRuntime(method, model_sampling_of(model), name)
     if unet.is_unet(model):
-        return unet.patch_unet(model, runtime, levels, scope)
-    log.warning("ToMA: %s is not supported by %s (no UNet transformer blocks found); returning the model "
-                "unpatched", type(model.model).__name__, name)
+        return watched(unet.patch_unet(model, runtime, levels, scope), runtime, unique_id)
+    if dit.is_supported(model):  # levels and scope are UNet notions: a DiT has one token grid
+        patched = dit.patch_dit(model, runtime)  # the input itself when the method cannot patch DiTs
+        return patched if patched is model else watched(patched, runtime, unique_id)
+    log.warning("ToMA: %s is not supported by %s (neither UNet transformer blocks nor a Flux/SD3 DiT "
+                "found); returning the model unpatched", type(model.model).__name__, name)
     return model
 
 
@@ -69,7 +93,8 @@ class ToMAPatchModel:
     DESCRIPTION = ("ToMA token merging (ICML 2025): in each local window, picks destination tokens by greedy "
                    "facility location, merges the others into them with attention-like weights before "
                    "self-attention and unmerges after it. Faster sampling on SD1.x/SD2.x/SDXL with little "
-                   "change to the image.")
+                   "change to the image. On Flux (dev, schnell, Kontext) and SD3/SD3.5 it merges the image "
+                   "tokens of all double/single blocks but the first ~25%/~13% (text tokens never).")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The patched model: connect it to a sampler.",)
@@ -103,12 +128,14 @@ class ToMAPatchModelAdvanced:
                 "scope": (["attention", "block"], {
                     "default": "attention",
                     "tooltip": "attention: only self-attention runs on merged tokens. block: self-attention, "
-                               "cross-attention and feed-forward all run merged (faster, more change)."}),
+                               "cross-attention and feed-forward all run merged (faster, more change). "
+                               "UNets only: on Flux/SD3 whole blocks run on merged image tokens."}),
                 "levels": (list(unet.LEVEL_CHOICES), {
                     "default": "auto",
                     "tooltip": "UNet resolutions to merge, as downsample factors. auto: the highest-resolution "
                                "level with attention (1/1 on SD1.x/SD2.x, 1/2 on SDXL); auto+next adds the "
-                               "level below it."}),
+                               "level below it. UNets only: Flux/SD3 have one token grid and merge all "
+                               "but their first blocks."}),
                 "weights_interval": _int(1, 1, 100, "Steps between merge-weight refreshes (at most the "
                                                     "reuse interval matters; 1 = every step)."),
                 "start_percent": _float(0.0, 0.0, 1.0, 0.01, "Merge from this point of the schedule on "
@@ -135,19 +162,22 @@ class ToMAPatchModelAdvanced:
         check_range("tau", tau, 1.0, 10000.0)
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval)
         method = None if ratio == 0 else ToMAMethod(ratio, window_size, schedule, tau, exact_unmerge)
-        return (apply_method(model, method, "ToMA", levels, scope),)
+        return (apply_method(model, method, "ToMA", levels, scope, unique_id),)
 
 
 def _downsample_levels(max_downsample: int) -> str:
     return ",".join(str(d) for d in (1, 2, 4, 8) if d <= max_downsample)
 
 
+MAX_DOWNSAMPLE_CHOICES = (1, 2, 4, 8)
+SEED_MAX = 2**31 - 1
 TOME_COMMON = {
-    "max_downsample": ([1, 2, 4, 8], {"default": 1, "tooltip": "Merge in UNet levels downsampled at most this "
-                       "much (1 = full resolution only, as ToMeSD's default; SDXL has no attention there, use 2)."}),
+    "max_downsample": (list(MAX_DOWNSAMPLE_CHOICES), {
+        "default": 1, "tooltip": "Merge in UNet levels downsampled at most this much (1 = full resolution "
+                                 "only, as ToMeSD's default; SDXL has no attention there, use 2)."}),
     "sx": _int(2, 1, 8, "Width of the cell that holds one destination."),
     "sy": _int(2, 1, 8, "Height of the cell that holds one destination."),
-    "seed": _int(0, 0, 2**31 - 1, "Seed of the random destination position in each cell."),
+    "seed": _int(0, 0, SEED_MAX, "Seed of the random destination position in each cell."),
 }
 
 
@@ -168,11 +198,12 @@ class ToMeSDPatchModel:
 
     def patch(self, model, ratio, max_downsample=1, sx=2, sy=2, seed=0, unique_id=None):
         check_range("ratio", ratio, 0.0, 0.75)
-        check_range("max_downsample", max_downsample, 1, 8)
+        check_choice("max_downsample", max_downsample, MAX_DOWNSAMPLE_CHOICES)
         check_range("sx", sx, 1, 8)
         check_range("sy", sy, 1, 8)
+        check_range("seed", seed, 0, SEED_MAX)
         method = None if ratio == 0 else ToMeSDMethod(ratio, sx, sy, seed)
-        return (apply_method(model, method, "ToMeSD", _downsample_levels(max_downsample)),)
+        return (apply_method(model, method, "ToMeSD", _downsample_levels(max_downsample), unique_id=unique_id),)
 
 
 def parse_checkpoints(text: str) -> tuple[int, ...]:
@@ -207,11 +238,12 @@ class CAToMePatchModel:
     def patch(self, model, threshold, checkpoints=",".join(map(str, CATOME_CONFIG3)), max_downsample=1, sx=2,
               sy=2, seed=0, unique_id=None):
         check_range("threshold", threshold, -1.0, 1.0)
-        check_range("max_downsample", max_downsample, 1, 8)
+        check_choice("max_downsample", max_downsample, MAX_DOWNSAMPLE_CHOICES)
         check_range("sx", sx, 1, 8)
         check_range("sy", sy, 1, 8)
+        check_range("seed", seed, 0, SEED_MAX)
         method = CAToMeMethod(threshold, sx, sy, seed, parse_checkpoints(checkpoints))
-        return (apply_method(model, method, "CA-ToMe", _downsample_levels(max_downsample)),)
+        return (apply_method(model, method, "CA-ToMe", _downsample_levels(max_downsample), unique_id=unique_id),)
 
 
 NODE_CLASS_MAPPINGS = {

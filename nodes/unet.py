@@ -174,12 +174,23 @@ def patch_unet(model, runtime: MergeRuntime, levels_choice: str, scope: str):
 
 
 def install_run_hooks(m, runtime: MergeRuntime):
-    """A clean slate per sampling run: CUR's OUTER_SAMPLE wrapper when the host has it; otherwise the
-    runtime notices new runs from the sigmas alone."""
+    """A clean slate per sampling run and stats at its end: CUR's OUTER_SAMPLE wrapper when the host has
+    it. Otherwise the runtime notices new runs from the sigmas alone, and the run end is the one call
+    every sampling run of older ComfyUI ends with: ``comfy.samplers.sample`` hands the sampled latent to
+    ``BaseModel.process_latent_out``, which we object-patch (the model itself is untouched)."""
     try:
         from comfy.patcher_extension import WrappersMP
     except ImportError:
-        return
-    if hasattr(m, "add_wrapper_with_key"):
+        WrappersMP = None
+    if WrappersMP is not None and hasattr(m, "add_wrapper_with_key"):
         m.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, "comfyui_toma", runtime.outer_sample_wrapper)
+        return
+    process_latent_out = original_attr(m, "process_latent_out")
+
+    def process_latent_out_then_end_run(latent):
+        out = process_latent_out(latent)
+        runtime.end_run()
+        return out
+
+    m.add_object_patch("process_latent_out", process_latent_out_then_end_run)
 

@@ -107,12 +107,126 @@ def structured_latent(batch: int, height: int, width: int, seed: int = 0, channe
     return out / 2
 
 
-def save_sd15_checkpoint(path, seed: int = 0, config: dict | None = None) -> None:
+def save_sd15_checkpoint(path, seed: int = 0, config: dict | None = None, vae: bool = False) -> None:
     """Write a random-weight UNet checkpoint that ComfyUI's CheckpointLoaderSimple detects as SD1.5
-    (widths 320/768; any depth). UNet weights only: ComfyUI then has no CLIP (use a CONDITIONING node)."""
+    (widths 320/768; any depth). No CLIP: ComfyUI then has no text encoder (use a CONDITIONING node).
+
+    ``vae=True`` adds a random TAESD (ComfyUI's tiny autoencoder, 2.4M params, 8x upscale), which both
+    trees pick from its ``taesd_decoder.*`` keys: without VAE keys current ComfyUI has no VAE, and the
+    full SD1.5 AutoencoderKL (84M params) takes a minute per 512x512 decode on a 2-core CPU."""
     import safetensors.torch
 
     model = build_unet("sd15", seed, torch.float16, config)
     sd = {f"model.diffusion_model.{k}": v.contiguous()
           for k, v in model.model.diffusion_model.state_dict().items()}
+    if vae:
+        import comfy.taesd.taesd
+
+        taesd = comfy.taesd.taesd.TAESD()
+        init_weights_(taesd.taesd_encoder, seed + 1)  # the conv stacks only: the latent scale (and shift,
+        init_weights_(taesd.taesd_decoder, seed + 2)  # current tree) keep their constructor values 1 and 0
+        with torch.no_grad():
+            taesd.taesd_decoder[-1].bias.fill_(0.5)  # images centred on mid-grey instead of near-black
+        sd.update({f"first_stage_model.{k}": v.to(torch.float16).contiguous() for k, v in taesd.state_dict().items()})
     safetensors.torch.save_file(sd, str(path))
+
+
+# -- DiTs (current ComfyUI only) --------------------------------------------------------------------
+# FLUX.1 [dev] widths and depths (schnell: guidance_embed False). Text is T5-XXL (4096), pooled CLIP-L (768).
+FLUX_FULL = {
+    "image_model": "flux", "guidance_embed": True, "in_channels": 16, "out_channels": 16, "patch_size": 2,
+    "vec_in_dim": 768, "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24,
+    "depth": 19, "depth_single_blocks": 38, "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True,
+}
+# Reduced width and depth for CPU benchmarks (head size 64 as in Flux; conditioning shapes of the real model).
+FLUX_SMALL = dict(FLUX_FULL, hidden_size=512, num_heads=8, depth=4, depth_single_blocks=8, axes_dim=[16, 24, 24])
+# Tiny, for tests: both block groups present, a few ms per step on a 16x16 token grid.
+FLUX_TINY = dict(FLUX_FULL, vec_in_dim=32, context_in_dim=64, hidden_size=64, num_heads=4, depth=2,
+                 depth_single_blocks=3, axes_dim=[4, 6, 6])
+
+# SD3.5-medium-like MMDiT (q/k RMS norm, second self-attention in x_block, last block pre_only), tiny:
+# MMDiT fixes hidden = 64 * depth and heads = depth. pos_embed_max_size 96 fits latents up to 192x192.
+SD3_TINY = {
+    "in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": 2, "input_size": None,
+    "adm_in_channels": 32, "context_embedder_config": {"target": "torch.nn.Linear",
+                                                       "params": {"in_features": 64, "out_features": 128}},
+    "num_patches": 96 * 96, "pos_embed_max_size": 96, "qk_norm": "rms", "pos_embed_scaling_factor": None,
+    "x_block_self_attn_layers": [0],
+}
+
+
+def _unit_norm_scales_(module: torch.nn.Module) -> None:
+    """Norm scales to 1 (PyTorch's default) where init_weights_ cannot tell them by name (Flux's q/k
+    RMSNorm ``scale``, SD3's ``ln_q``/``ln_k`` weights): a 0.1 scale would flatten every attention map."""
+    with torch.no_grad():
+        for m in module.modules():
+            if "Norm" in type(m).__name__:
+                for name, p in m.named_parameters(recurse=False):
+                    if name in ("weight", "scale"):
+                        p.fill_(1.0)
+
+
+def _patcher(base):
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
+
+
+def build_flux(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight Flux (FLUX_TINY unless ``config``; FLUX_FULL is
+    FLUX.1-dev). ``device``: where the weights are created (default CPU); weights are drawn on the CPU
+    from a seeded generator either way, so a model is the same on every device."""
+    import comfy.supported_models
+
+    cfg = comfy.supported_models.Flux(dict(config or FLUX_TINY))
+    cfg.set_inference_dtype(dtype, None)
+    base = cfg.get_model({}, device=device)
+    init_weights_(base, seed)
+    _unit_norm_scales_(base)
+    return _patcher(base.to(dtype))
+
+
+def build_sd3(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight SD3/SD3.5 MMDiT (SD3_TINY unless ``config``). The
+    position-embedding table is a buffer ComfyUI leaves uninitialised: it gets SD3's 2-D sin-cos table."""
+    import comfy.supported_models
+    from comfy.ldm.modules.diffusionmodules.mmdit import get_2d_sincos_pos_embed_torch
+
+    cfg = comfy.supported_models.SD3(dict(config or SD3_TINY))
+    cfg.set_inference_dtype(dtype, None)
+    base = cfg.get_model({}, device=device)
+    init_weights_(base, seed)
+    _unit_norm_scales_(base)
+    dm = base.diffusion_model
+    if dm.pos_embed is not None:
+        side = dm.pos_embed_max_size
+        with torch.no_grad():
+            dm.pos_embed.copy_(get_2d_sincos_pos_embed_torch(dm.hidden_size, side, side)[None])
+    return _patcher(base.to(dtype))
+
+
+def dit_conditioning(arch: str, config: dict, batch: int = 1, tokens: int = 256, seed: int = 0,
+                     reference_latent: torch.Tensor | None = None):
+    """(positive, negative) CONDITIONING for a model built by build_flux ("flux") or build_sd3 ("sd3")
+    from ``config``: text (batch, tokens, context dim) and pooled vectors from a seeded generator. Flux
+    gets guidance 3.5 and, with ``reference_latent`` (B, 16, h, w), a Kontext reference image."""
+    g = torch.Generator().manual_seed(seed)
+    if arch == "flux":
+        context, pooled = config["context_in_dim"], config["vec_in_dim"]
+    elif arch == "sd3":
+        context = config["context_embedder_config"]["params"]["in_features"]
+        pooled = config["adm_in_channels"]
+    else:
+        raise ValueError(f"arch must be 'flux' or 'sd3', got {arch!r}")
+
+    def cond():
+        opts = {"pooled_output": torch.randn(batch, pooled, generator=g)}
+        if arch == "flux":
+            opts["guidance"] = 3.5
+            if reference_latent is not None:
+                opts["reference_latents"] = [reference_latent]
+        return [[torch.randn(batch, tokens, context, generator=g), opts]]
+
+    return cond(), cond()

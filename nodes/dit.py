@@ -1,0 +1,303 @@
+"""Adapter for DiT models: Flux (dev, schnell, Kontext, Fill) and SD3/SD3.5 (MMDiT), through ComfyUI's
+"dit" block-replace patches (current ComfyUI only: the March-2024 tree has no DiT).
+
+What runs merged:
+- Double-stream blocks (Flux DoubleStreamBlock, SD3 JointBlock). A replace patch sees only the whole
+  block, so the image stream x (B, N, C) is merged before it and the block's *update* is unmerged onto
+  the full-resolution stream: x + U(block(Mx) - Mx). Attention, the image MLP (and SD3.5's second
+  self-attention) run on merged image tokens; the text stream runs in full. The official ToMA keeps the
+  double-block MLP at full resolution; doing that here would mean re-implementing ComfyUI's block
+  forward (modulation, q/k norm, RoPE, flipped layouts) and chasing its changes. The MLP holds 2/3 of
+  the image stream's projection FLOPs (8C^2 of 12C^2 per token), so merging it is most of the speed-up;
+  docs/benchmarks.md shows what it costs in fidelity.
+- Single-stream blocks (Flux): the block input is [txt, image, Kontext]; only the image part is merged,
+  and the whole block (attention and the parallel MLP) runs on the shorter sequence, as the official
+  code does.
+- Text tokens are never merged, whatever their length (read from the tensors of each call). Kontext
+  reference tokens, which follow the image tokens, are left unmerged too (the simplest correct choice:
+  they keep full rows in attention; merging them would need a plan per reference grid).
+- Positions: Flux rotates q and k inside attention with per-token rows of ``pe`` (layout [txt, image]
+  along dim 2); a merged token takes its destination's row, and ``attn_mask`` (if any) is sliced the
+  same way. SD3 adds its position embedding once at the input, so nothing positional reaches the blocks.
+
+Which blocks: the paper merges Flux double blocks 5-18 of 19 and single blocks 5-37 of 38. Other depths
+skip the same fraction of each group (depth * 5/19 double blocks, depth * 5/38 single blocks, rounded
+half up); SD3's joint blocks use the double-block fraction. Blocks that already carry a "dit" replace
+patch from another node are left alone. Only ToMA patches DiTs: ToMeSD and CA-ToMe are UNet baselines.
+
+Plans: one per group (double, single), token grid and batch layout, built at a recompute step by the
+group's first merged block and shared by its later blocks (MergeRuntime and ToMAMethod do the caching
+and the reuse schedule; plans hold one set of destinations per batch row). Selection features: the
+block's image input, layer-normalised without affine, so cosine compares token content rather than the
+large per-channel offsets of the residual stream.
+
+Token grid: from the model's own input, stashed in ``transformer_options`` for the block patches by a
+wrapper: Flux's DIFFUSION_MODEL wrapper sees the latent and the Kontext references; SD3 has no
+DIFFUSION_MODEL executor, so an APPLY_MODEL wrapper reads the latent. Latents are padded to the patch
+size p, so a side of H latent pixels gives ceil(H / p) tokens: odd and non-square sizes work.
+"""
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .runtime import MergeRuntime, ToMAMethod
+from .unet import batch_key, install_run_hooks
+
+log = logging.getLogger("ComfyUI-ToMA")
+
+LAYOUT_KEY = "comfyui_toma_image_layout"  # transformer_options key, set and removed by the wrapper
+WRAPPER_KEY = "comfyui_toma"
+# Fraction of each block group never merged: the paper's 5 of Flux's 19 double and 38 single blocks.
+SKIP_FRACTION = {"double": 5 / 19, "single": 5 / 38}
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """The image part of a model call's token sequence: an h x w grid in raster order, followed by
+    ``extra`` tokens (Kontext reference images) that are never merged."""
+
+    h: int
+    w: int
+    extra: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.h * self.w
+
+    @property
+    def total(self) -> int:
+        return self.tokens + self.extra
+
+
+def patched_side(pixels: int, patch: int) -> int:
+    """Tokens along one side of a latent of ``pixels`` padded to the patch size."""
+    return -(-int(pixels) // patch)
+
+
+def merged_blocks(depth: int, group: str) -> range:
+    """Indices of the blocks of a group of ``depth`` blocks that merge (the first ones never do)."""
+    return range(int(depth * SKIP_FRACTION[group] + 0.5), depth)
+
+
+def family(model) -> str | None:
+    """The DiT family of ``model``: "flux", "sd3", or None (UNets, other DiTs, hosts without DiTs)."""
+    dm = getattr(model.model, "diffusion_model", None)
+    try:
+        from comfy.ldm.flux.model import Flux
+
+        if isinstance(dm, Flux) and hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks"):
+            return "flux"
+    except ImportError:
+        pass
+    try:
+        from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
+
+        if isinstance(dm, MMDiT) and hasattr(dm, "joint_blocks"):
+            return "sd3"
+    except ImportError:
+        pass
+    return None
+
+
+def is_supported(model) -> bool:
+    return family(model) is not None
+
+
+def take_rows(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """Per batch row, the rows ``index`` of ``t`` along ``dim``.
+
+    t: (Bt, ..., L, ...) with Bt 1 or B; index: (B, L') long -> (B, ..., L', ...)."""
+    B, L = index.shape
+    dim = dim % t.dim()
+    t = t.expand(B, *t.shape[1:])
+    view = [B] + [1] * (t.dim() - 1)
+    view[dim] = L
+    size = list(t.shape)
+    size[dim] = L
+    return t.gather(dim, index.view(view).expand(size))
+
+
+def joint_index(txt_len: int, layout: ImageLayout, destinations: torch.Tensor) -> torch.Tensor:
+    """(B, L') long: for each token of the merged sequence [txt, merged image, extra], the row of the
+    full sequence [txt, image, extra] whose position it takes. destinations: (B, N') raster index of
+    each merged token's destination (MergePlan.destination_tokens)."""
+    B, dev = destinations.shape[0], destinations.device
+    txt = torch.arange(txt_len, device=dev).expand(B, -1)
+    extra = torch.arange(txt_len + layout.tokens, txt_len + layout.total, device=dev).expand(B, -1)
+    return torch.cat([txt, destinations + txt_len, extra], dim=1)
+
+
+def merged_positions(args: dict, txt_len: int, layout: ImageLayout, plan) -> dict:
+    """``pe`` (Bp, 1, L, ...) and ``attn_mask`` (..., L, L) cut down to the merged sequence; {} when the
+    block has neither (SD3)."""
+    pe, mask = args.get("pe"), args.get("attn_mask")
+    if pe is None and mask is None:
+        return {}
+    index = joint_index(txt_len, layout, plan.destination_tokens().to((pe if pe is not None else mask).device))
+    out = {}
+    if pe is not None:
+        out["pe"] = take_rows(pe, index, 2)
+    if mask is not None:
+        mask = mask[None] if mask.dim() == 2 else mask
+        out["attn_mask"] = take_rows(take_rows(mask, index, -2), index, -1)
+    return out
+
+
+def positions_fit(args: dict, txt_len: int, layout: ImageLayout) -> bool:
+    """Whether pe and attn_mask cover exactly [txt, image, extra] (another patch may have changed them)."""
+    full = txt_len + layout.total
+    pe, mask = args.get("pe"), args.get("attn_mask")
+    pe_fits = pe is None or (pe.dim() >= 3 and pe.shape[2] == full)
+    return pe_fits and (mask is None or tuple(mask.shape[-2:]) == (full, full))
+
+
+class LayoutStash:
+    """Wrapper of the call that turns the latent into tokens (Flux: DIFFUSION_MODEL, SD3: APPLY_MODEL):
+    puts the call's ImageLayout into its transformer_options for the block patches, and takes it out
+    again afterwards. ``target`` is the wrapped function, whose signature names the arguments."""
+
+    def __init__(self, target, patch_size: int):
+        self.signature = inspect.signature(target)
+        self.patch = patch_size
+
+    def layout(self, call: dict) -> ImageLayout | None:
+        x = call.get("x")
+        if not torch.is_tensor(x) or x.dim() != 4:
+            return None
+        refs = call.get("ref_latents") or ()
+        extra = sum(patched_side(r.shape[-2], self.patch) * patched_side(r.shape[-1], self.patch) for r in refs)
+        return ImageLayout(patched_side(x.shape[-2], self.patch), patched_side(x.shape[-1], self.patch), extra)
+
+    def __call__(self, executor, *args, **kwargs):
+        try:
+            call = self.signature.bind(*args, **kwargs).arguments
+        except TypeError:  # a host whose signature changed: blocks find no layout and run unmerged
+            return executor(*args, **kwargs)
+        options, layout = call.get("transformer_options"), self.layout(call)
+        if not isinstance(options, dict) or layout is None:
+            return executor(*args, **kwargs)
+        options[LAYOUT_KEY] = layout
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            options.pop(LAYOUT_KEY, None)
+
+
+class DiTPatch:
+    """The block patches of one patched DiT clone (signature of ComfyUI's "dit" replace patches:
+    ``fn(args, {"original_block": fn}) -> dict`` with full-length tokens in and out)."""
+
+    def __init__(self, runtime: MergeRuntime):
+        self.runtime = runtime
+
+    def plan_for(self, group: str, image: torch.Tensor, layout: ImageLayout, options: dict):
+        hw = (layout.h, layout.w)
+        key = ("dit", group, hw, batch_key(image, options))
+        return self.runtime.plan(key, lambda: F.layer_norm(image, image.shape[-1:]), hw, options,
+                                 f"{group} {layout.h}x{layout.w}")
+
+    def double_block(self, args: dict, extras: dict) -> dict:
+        """Image stream [image, extra] (B, N + E, C) merged; text stream (B, L, C) or None passes whole."""
+        run, img, txt = extras["original_block"], args["img"], args.get("txt")
+        options = args.get("transformer_options") or {}
+        layout = options.get(LAYOUT_KEY)
+        txt_len = 0 if txt is None else txt.shape[1]
+        if layout is None or img.shape[1] != layout.total or not positions_fit(args, txt_len, layout):
+            return run(args)
+        return self.merged_call("double", args, run, 0, txt_len, layout)
+
+    def single_block(self, args: dict, extras: dict) -> dict:
+        """Joint sequence [txt, image, extra] (B, L + N + E, C): the image part merged, the rest whole."""
+        run, x = extras["original_block"], args["img"]
+        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
+        txt_len = -1 if layout is None else x.shape[1] - layout.total
+        if txt_len < 0 or not positions_fit(args, txt_len, layout):
+            return run(args)
+        return self.merged_call("single", args, run, txt_len, txt_len, layout)
+
+    def merged_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout) -> dict:
+        """Run the block on ``args["img"]`` with its image tokens [start, start + h*w) merged; return the
+        full-length result with the block's update of those tokens unmerged onto them."""
+        seq, end = args["img"], start + layout.tokens
+        image = seq[:, start:end]
+        plan = self.plan_for(group, image, layout, args["transformer_options"])
+        if plan is None:
+            return run(args)
+
+        def merge(_):
+            merged = plan.merge(image)
+            return merged, {"img": torch.cat([seq[:, :start], merged, seq[:, end:]], 1),
+                            **merged_positions(args, txt_len, layout, plan)}
+
+        merged, inputs = self.runtime.timed("merge", merge, None)
+        out = run({**args, **inputs})
+        y, stop = out["img"], start + merged.shape[1]
+        restored = image + self.runtime.timed("unmerge", plan.unmerge, y[:, start:stop] - merged)
+        return {**out, "img": torch.cat([y[:, :start], restored, y[:, stop:]], 1)}
+
+
+def block_groups(kind: str, dm, patch: DiTPatch):
+    """[(replace-patch block name, group, depth, patch function)] of a model family."""
+    if kind == "flux":
+        return [("double_block", "double", len(dm.double_blocks), patch.double_block),
+                ("single_block", "single", len(dm.single_blocks), patch.single_block)]
+    return [("double_block", "double", len(dm.joint_blocks), patch.double_block)]
+
+
+def layout_wrapper(kind: str, model):
+    """(wrapper type, key, LayoutStash) for ModelPatcher.add_wrapper_with_key, or None without wrappers.
+    Flux runs its DIFFUSION_MODEL executor around ``_forward`` (which sees the Kontext references); SD3
+    has none, so the APPLY_MODEL executor around ``BaseModel._apply_model`` (same latent size) serves."""
+    try:
+        from comfy.patcher_extension import WrappersMP
+    except ImportError:
+        return None
+    dm = model.model.diffusion_model
+    if kind == "flux" and hasattr(dm, "_forward"):
+        where, target = WrappersMP.DIFFUSION_MODEL, dm._forward
+    else:
+        where, target = WrappersMP.APPLY_MODEL, getattr(model.model, "_apply_model", None)
+    if target is None or not hasattr(model, "add_wrapper_with_key"):
+        return None
+    return where, WRAPPER_KEY, LayoutStash(target, dm.patch_size)
+
+
+def patch_dit(model, runtime: MergeRuntime):
+    """Returns the patched clone of a Flux or SD3 ``model``, or ``model`` unpatched (with a log message)
+    when the method or the host cannot serve it."""
+    kind = family(model)
+    name = type(model.model).__name__
+    if kind is None:
+        log.warning("ToMA: %s is not a supported DiT (Flux, SD3/SD3.5); returning the model unpatched", name)
+        return model
+    if not isinstance(runtime.method, ToMAMethod):
+        log.warning("ToMA: %s is a UNet baseline and does not patch DiTs; %s returned unpatched (use the "
+                    "ToMA node on Flux/SD3)", runtime.name, name)
+        return model
+    dm = model.model.diffusion_model
+    stash = layout_wrapper(kind, model)
+    if stash is None:
+        log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
+                    "unpatched", name)
+        return model
+    patch = DiTPatch(runtime)
+    m = model.clone()
+    taken = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    merged, left = [], []
+    for block_name, group, depth, fn in block_groups(kind, dm, patch):
+        for i in merged_blocks(depth, group):
+            if (block_name, i) in taken:
+                left.append(f"{block_name} {i}")
+                continue
+            m.set_model_patch_replace(fn, "dit", block_name, i)
+            merged.append(f"{block_name} {i}")
+    m.add_wrapper_with_key(*stash)
+    install_run_hooks(m, runtime)
+    if left:
+        log.info("ToMA: %s left unmerged (already patched by another node)", ", ".join(left))
+    log.info("ToMA: %s patched on %s: %d of %d blocks merge", runtime.name, name, len(merged),
+             sum(depth for _, _, depth, _ in block_groups(kind, dm, patch)))
+    return m

@@ -1,0 +1,106 @@
+"""What the merge map shows: light records of the plans a runtime used, and how a MODEL leads to its runtime.
+
+Records. When a runtime builds (or rebuilds) a plan, it keeps a ``PlanRecord``: for the first batch row
+only, which kept token every token was merged into, as small int32 tensors on the CPU. Plans reused from
+the cache add nothing, so the sampling hot path is untouched.
+
+Finding the runtime from a MODEL. ``model_options`` is deep-copied whenever ComfyUI clones a patcher
+(trap T6), so the MODEL carries only a string: ``model_options["transformer_options"]["comfyui_toma"]``
+is a registry id, and ``RUNTIMES`` maps ids to live runtimes. The registry holds them weakly: a runtime
+lives exactly as long as the patches of some model refer to it, and a string survives any number of
+clones (every clone of a patched model shares its runtime, see ``MergeRuntime.__deepcopy__``).
+"""
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..toma_core import BipartitePlan, IdentityPlan, MergePlan, untile_tokens
+
+OPTIONS_KEY = "comfyui_toma"
+
+RUNTIMES: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """One plan as the merge map draws it (batch row 0).
+
+    step: sampling step at which the plan was built; it stays in use until the next record of its level.
+    h, w: token grid. cell: (rows, cols) of the windows the method merges inside (ToMA tiles, ToMeSD
+    cells) for drawing their borders, None if unknown.
+    groups: (N,) int32, raster index of the kept token each token was merged into (its own index if it
+    was kept). kept: (K,) int32 raster indices of the tokens that survive merging (destinations).
+    """
+
+    step: int
+    h: int
+    w: int
+    cell: tuple[int, int] | None
+    groups: torch.Tensor
+    kept: torch.Tensor
+
+
+def toma_groups(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(groups (N,), kept (K,)) of row 0 of a ToMA plan: each token goes to the destination that gets the
+    largest share of it, the argmax over the destination axis of its assignment (U = A^T, or the exact
+    pseudo-inverse of M, which is A^T for hard assignments)."""
+    grid = plan.grid
+    dest = plan.destinations[0]  # (T, D) index inside the tile, -1 = unused slot
+    share = plan.unmerge_weights[0].float().masked_fill(dest[:, None, :] < 0, float("-inf"))  # (T, S, D)
+    in_tile = dest.gather(1, share.argmax(-1)).clamp(min=0)  # (T, S)
+    origin = grid.tile_origin.to(dest.device)  # (T, S) raster index of each slot
+    raster = origin.gather(1, in_tile)
+    groups = untile_tokens(raster[None, :, :, None], grid)[0, :, 0]
+    kept = origin.gather(1, dest.clamp(min=0))[dest >= 0]
+    return groups, kept
+
+
+def bipartite_groups(plan: BipartitePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(groups (N,), kept (K,)) of row 0 of a ToMeSD/CA-ToMe plan: merged sources belong to their
+    destination, every other token to itself."""
+    src, dst = plan.src_index[0], plan.dst_index[0]
+    groups = torch.arange(plan.num_tokens, device=src.device)
+    groups[src[plan.merged[0]]] = dst[plan.target[0]]
+    kept = torch.cat([dst, src[plan.unmerged[0]]]).sort().values
+    return groups, kept
+
+
+def record_plan(plan, step: int, hw: tuple[int, int], method=None) -> PlanRecord:
+    """The PlanRecord of ``plan`` used from ``step`` on, for a grid of ``hw`` tokens. ``method`` gives
+    the cell size of bipartite plans (its ``sy``, ``sx``)."""
+    if isinstance(plan, MergePlan):
+        groups, kept = toma_groups(plan)
+        cell = (plan.grid.tile, plan.grid.tile)
+    elif isinstance(plan, BipartitePlan):
+        groups, kept = bipartite_groups(plan)
+        cell = (method.sy, method.sx) if hasattr(method, "sy") and hasattr(method, "sx") else None
+    elif isinstance(plan, IdentityPlan):
+        groups = kept = torch.arange(plan.num_merged)
+        cell = (plan.grid.tile, plan.grid.tile)
+    else:
+        raise TypeError(f"cannot record a {type(plan).__name__}")
+    as_cpu = lambda t: t.to(device="cpu", dtype=torch.int32)  # noqa: E731
+    return PlanRecord(step, int(hw[0]), int(hw[1]), cell, as_cpu(groups), as_cpu(kept))
+
+
+# -- MODEL -> runtime ---------------------------------------------------------------------------
+def attach_runtime(model, runtime) -> str:
+    """Register ``runtime`` and write its id into the patched ``model``'s transformer_options."""
+    runtime_id = f"{runtime.name}-{uuid.uuid4().hex}"
+    RUNTIMES[runtime_id] = runtime
+    model.model_options.setdefault("transformer_options", {})[OPTIONS_KEY] = runtime_id
+    return runtime_id
+
+
+def runtime_of(model):
+    """The runtime a ToMA/ToMeSD/CA-ToMe node attached to ``model`` (or to a model it was cloned from)."""
+    options = getattr(model, "model_options", None) or {}
+    runtime_id = options.get("transformer_options", {}).get(OPTIONS_KEY)
+    runtime = RUNTIMES.get(runtime_id) if runtime_id is not None else None
+    if runtime is None:
+        raise ValueError("model: this MODEL was not patched by a ToMA, ToMeSD or CA-ToMe node of this pack "
+                         "(or it was patched with ratio 0, or the model family is not supported), so there "
+                         "are no merge plans to show; connect the MODEL output of the token merge node")
+    return runtime

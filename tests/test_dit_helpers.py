@@ -1,0 +1,84 @@
+"""The DiT adapter's pure parts (block choice, row gathers, token counts) and its refusals.
+
+These need the pack but no DiT, so they run against the pinned tree and COMFYUI_PATH alike.
+"""
+import logging
+import types
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.comfy
+
+
+@pytest.fixture(scope="module")
+def dit(pack):
+    return pack.nodes.dit
+
+
+def test_skip_rule_reproduces_the_paper_at_flux_depth(dit):
+    # FLUX.1: double blocks 5-18 of 19, single blocks 5-37 of 38 merge
+    assert dit.merged_blocks(19, "double") == range(5, 19)
+    assert dit.merged_blocks(38, "single") == range(5, 38)
+
+
+@pytest.mark.parametrize("depth,group,first", [(4, "double", 1), (8, "single", 1), (24, "double", 6),
+                                               (38, "double", 10), (2, "single", 0), (1, "double", 0)])
+def test_skip_rule_scales_with_depth(dit, depth, group, first):
+    blocks = dit.merged_blocks(depth, group)
+    assert blocks == range(first, depth)
+    assert abs(first / depth - dit.SKIP_FRACTION[group]) <= 0.5 / depth
+
+
+@pytest.mark.parametrize("pixels,patch,tokens", [(128, 2, 64), (27, 2, 14), (1, 2, 1), (9, 3, 3), (10, 3, 4)])
+def test_latent_sides_are_padded_to_the_patch(dit, pixels, patch, tokens):
+    assert dit.patched_side(pixels, patch) == tokens
+
+
+def test_take_rows_gathers_per_batch_row(dit):
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(1, 3, 10, 4, generator=g)  # shared by the batch, as Flux's pe can be
+    index = torch.stack([torch.randperm(10, generator=g)[:6] for _ in range(2)])
+    out = dit.take_rows(table, index, 2)
+    assert out.shape == (2, 3, 6, 4)
+    for b in range(2):
+        assert torch.equal(out[b], table[0][:, index[b]])
+
+
+def test_joint_index_keeps_text_and_extra_rows(dit):
+    layout = dit.ImageLayout(h=2, w=3, extra=4)
+    destinations = torch.tensor([[0, 4, 5], [1, 2, 3]])
+    index = dit.joint_index(5, layout, destinations)
+    expected_extra = list(range(5 + 6, 5 + 10))
+    assert index[0].tolist() == [0, 1, 2, 3, 4, 5, 9, 10] + expected_extra
+    assert index[1].tolist() == [0, 1, 2, 3, 4, 6, 7, 8] + expected_extra
+
+
+def test_mask_is_sliced_on_both_axes(dit, pack):
+    """A (B, L, L) mask whose entry (i, j) encodes i and j comes back as the entries of the kept pairs."""
+    plan = types.SimpleNamespace(destination_tokens=lambda: torch.tensor([[2, 0], [1, 3]]))
+    layout = dit.ImageLayout(h=2, w=2, extra=1)
+    L = 3 + layout.total
+    code = torch.arange(L * L, dtype=torch.float32).view(L, L)
+    out = dit.merged_positions({"attn_mask": code}, 3, layout, plan)["attn_mask"]
+    index = dit.joint_index(3, layout, plan.destination_tokens())
+    assert out.shape == (2, 6, 6)
+    for b in range(2):
+        assert torch.equal(out[b], code[index[b]][:, index[b]])
+
+
+def test_nothing_positional_for_sd3_blocks(dit):
+    plan = types.SimpleNamespace(destination_tokens=lambda: torch.zeros(1, 2, dtype=torch.long))
+    assert dit.merged_positions({"img": None}, 4, dit.ImageLayout(2, 2), plan) == {}
+
+
+def test_unsupported_model_is_returned_unpatched_with_a_message(pack, caplog):
+    nodes = pack.nodes.toma_nodes
+    sampling = types.SimpleNamespace(percent_to_sigma=lambda p: 1.0 - p)
+    model = types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=torch.nn.Linear(2, 2),
+                                                              model_sampling=sampling))
+    assert not pack.nodes.dit.is_supported(model)
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        out = nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
+    assert out is model
+    assert "not supported" in caplog.text and "Flux/SD3" in caplog.text

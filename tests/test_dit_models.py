@@ -1,0 +1,276 @@
+"""ToMA on DiTs: random-weight Flux and SD3.5-style MMDiT models sampled through ComfyUI's own sampler.
+
+Latents are 1/4 of the real sizes (1024x1024 -> 32x32, 832x1216 -> 26x38, and an odd 27x39 whose 14x20
+token grid no window of 4 divides) to keep CPU time small; one test runs the real 128x128 latent of a
+1024x1024 image with a tiny-width model for one step.
+"""
+import copy
+import logging
+
+import pytest
+import torch
+
+import comfy_host
+from toma_bench import models
+
+
+def _current_comfy() -> bool:
+    try:
+        return comfy_host.is_current_comfy()
+    except RuntimeError:  # no ComfyUI tree at all: the comfy fixture reports that
+        return False
+
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(
+    not _current_comfy(), reason="Flux/SD3 exist only in current ComfyUI (set COMFYUI_PATH, e.g. to the "
+                                 ".comfyui-current made by tests/setup_current.sh)")]
+
+CONFIGS = {"flux": models.FLUX_TINY, "sd3": models.SD3_TINY}
+SIZES = {"1024x1024": (32, 32), "832x1216": (26, 38), "odd": (27, 39)}
+
+
+@pytest.fixture(scope="module")
+def built(pack):
+    """{arch: ModelPatcher}, built once; tests only ever patch clones of them."""
+    return {"flux": models.build_flux(seed=1), "sd3": models.build_sd3(seed=2)}
+
+
+def sample(model, arch, hw, batch=1, tokens=77, steps=2, cfg=1.0, seed=0, reference=None, config=None):
+    import comfy.sample
+
+    positive, negative = models.dit_conditioning(arch, config or CONFIGS[arch], batch, tokens, seed, reference)
+    latent = torch.zeros(batch, 16, *hw)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                               seed=seed, disable_pbar=True)
+
+
+def toma_runtime(pack, model, ratio=0.5, window=4, reuse=5):
+    core, runtime = pack.toma_core, pack.nodes.runtime
+    method = runtime.ToMAMethod(ratio, window, core.ReuseSchedule(0.0, 1.0, reuse, 1), core.DEFAULT_TAU, False)
+    return runtime.MergeRuntime(method, model.get_model_object("model_sampling"), "ToMA")
+
+
+def relative_error(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def dit_patches(model) -> dict:
+    return model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+
+
+def expected_blocks(pack, arch, model) -> set:
+    dm, merged = model.model.diffusion_model, pack.nodes.dit.merged_blocks
+    if arch == "flux":
+        return ({("double_block", i) for i in merged(len(dm.double_blocks), "double")}
+                | {("single_block", i) for i in merged(len(dm.single_blocks), "single")})
+    return {("double_block", i) for i in merged(len(dm.joint_blocks), "double")}
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_node_patches_a_clone_and_leaves_the_input_alone(pack, built, arch):
+    model = built[arch]
+    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
+    before = sample(model, arch, SIZES["odd"])
+    patched = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
+    assert patched is not model
+    assert set(dit_patches(patched)) == expected_blocks(pack, arch, model)
+    where = "diffusion_model" if arch == "flux" else "apply_model"
+    assert patched.get_wrappers(where, "comfyui_toma") and not model.get_wrappers(where, "comfyui_toma")
+    sample(patched, arch, SIZES["odd"])
+    assert model.model_options == before_options and model.wrappers == before_wrappers
+    assert torch.equal(sample(model, arch, SIZES["odd"]), before)
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_ratio_zero_is_identical_to_unpatched(pack, built, arch):
+    nodes = pack.nodes.toma_nodes
+    reference = sample(built[arch], arch, SIZES["odd"], batch=2)
+    for node in (nodes.ToMAPatchModel().patch(built[arch], 0.0, 4, 5)[0],
+                 nodes.ToMAPatchModelAdvanced().patch(built[arch], 0.0, 4, 5, scope="block", levels="all")[0]):
+        assert torch.equal(sample(node, arch, SIZES["odd"], batch=2), reference)
+
+
+# every pair of (size, batch size, text length) values occurs once: 6 runs instead of the 12 of a full grid
+PAIRWISE = [("1024x1024", 1, 77), ("1024x1024", 2, 256), ("832x1216", 1, 256), ("832x1216", 2, 77),
+            ("odd", 1, 77), ("odd", 2, 256)]
+
+
+@pytest.mark.parametrize("size,batch,tokens", PAIRWISE)
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_half_ratio_merges_every_group(pack, built, arch, size, batch, tokens):
+    model, hw = built[arch], SIZES[size]
+    runtime = toma_runtime(pack, model)
+    patched = pack.nodes.dit.patch_dit(model, runtime)
+    out = sample(patched, arch, hw, batch, tokens)
+    reference = sample(model, arch, hw, batch, tokens)
+    assert out.shape == reference.shape and torch.isfinite(out).all()
+    assert 0.0 < relative_error(out, reference) < 0.25
+    h, w = -(-hw[0] // 2), -(-hw[1] // 2)
+    levels = runtime.summary()["levels"]
+    groups = ["double", "single"] if arch == "flux" else ["double"]
+    assert sorted(levels) == sorted(f"{g} {h}x{w}" for g in groups)
+    for stats in levels.values():
+        assert stats["tokens"] == h * w and stats["steps"] == 2
+        # half of each window's real tokens survive (rounding per edge window)
+        assert abs(stats["merged_tokens"] - h * w / 2) <= h * w / 16
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, built, arch):
+    """Window 2 and ratio 0.1 keep every token of a window as a destination: merging only permutes the
+    image tokens (tile-major, in selection order). Attention does not care about order as long as each
+    token keeps its own RoPE row, so the output matches the unpatched model: this checks the pe gather,
+    the unmerge order, batch rows and CFG batches together."""
+    model = built[arch]
+    runtime = toma_runtime(pack, model, ratio=0.1, window=2)
+    patched = pack.nodes.dit.patch_dit(model, runtime)
+    out = sample(patched, arch, SIZES["odd"], batch=2, cfg=2.0)
+    assert relative_error(out, sample(model, arch, SIZES["odd"], batch=2, cfg=2.0)) < 1e-5
+    assert all(s["steps"] == 2 for s in runtime.summary()["levels"].values()) and runtime.summary()["levels"]
+
+
+def test_kontext_reference_tokens_stay_unmerged(pack, built):
+    """A Kontext reference image (its tokens follow the image tokens) changes nothing in the D = S case
+    above, and at ratio 0.5 only the image grid is counted and merged."""
+    model = built["flux"]
+    reference = models.structured_latent(1, 20, 14, seed=3, channels=16)
+    exact = toma_runtime(pack, model, ratio=0.1, window=2)
+    out = sample(pack.nodes.dit.patch_dit(model, exact), "flux", SIZES["odd"], reference=reference)
+    assert relative_error(out, sample(model, "flux", SIZES["odd"], reference=reference)) < 1e-5
+    half = toma_runtime(pack, model)
+    out = sample(pack.nodes.dit.patch_dit(model, half), "flux", SIZES["odd"], reference=reference)
+    assert torch.isfinite(out).all()
+    assert {k: v["tokens"] for k, v in half.summary()["levels"].items()} == {"double 14x20": 280,
+                                                                               "single 14x20": 280}
+
+
+def _flux_call(pack, model, h, w, txt_len, extra_hw, batch=2):
+    """Inputs of one Flux block call built the way Flux builds them: pe from (index, row, col) ids with
+    text first, then the h x w image, then a Kontext reference of extra_hw on index 1."""
+    dm = model.model.diffusion_model
+    g = torch.Generator().manual_seed(4)
+
+    def grid_ids(index, rows, cols):
+        r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        return torch.stack([torch.full_like(r, index), r, c], -1).view(-1, 3).float()
+
+    ids = torch.cat([torch.zeros(txt_len, 3), grid_ids(0, h, w), grid_ids(1, *extra_hw)])
+    pe = dm.pe_embedder(ids[None].expand(batch, -1, -1))
+    C, n_img = dm.hidden_size, h * w + extra_hw[0] * extra_hw[1]
+    L = txt_len + n_img
+    args = {"img": torch.randn(batch, n_img, C, generator=g), "txt": torch.randn(batch, txt_len, C, generator=g),
+            "vec": torch.randn(batch, C, generator=g), "pe": pe,
+            "attn_mask": torch.arange(L * L, dtype=torch.float32).view(1, L, L),
+            "transformer_options": {"sigmas": torch.tensor([1.0]),
+                                    pack.nodes.dit.LAYOUT_KEY: pack.nodes.dit.ImageLayout(h, w, n_img - h * w)}}
+    return args, lambda rows: dm.pe_embedder(ids[rows][None])[0, 0]
+
+
+@pytest.mark.parametrize("block", ["double", "single"])
+def test_merged_block_call_gets_destination_positions(pack, built, block):
+    """A spy in place of the Flux block sees: text rows untouched, each merged image token with the RoPE
+    of its destination's (row, col), Kontext rows untouched, the mask cut to the same rows; the patch
+    returns full-length tokens with the block's update unmerged onto every image token."""
+    model, dit = built["flux"], pack.nodes.dit
+    h, w, txt_len = 5, 7, 9
+    args, rope_of = _flux_call(pack, model, h, w, txt_len, extra_hw=(2, 3))
+    runtime = toma_runtime(pack, model, ratio=0.5, window=4)
+    patch, seen = dit.DiTPatch(runtime), {}
+
+    def spy(inputs):
+        seen.update(inputs)
+        out = {"img": inputs["img"] + 1.0}
+        if block == "double":
+            out["txt"] = inputs["txt"]
+        return out
+
+    if block == "double":
+        out = patch.double_block(dict(args), {"original_block": spy})
+        image_in = args["img"]
+    else:
+        joint = torch.cat([args["txt"], args["img"]], 1)
+        out = patch.single_block({**args, "img": joint}, {"original_block": spy})
+        image_in = joint
+    (plan,) = runtime.plans.values()
+    destinations = plan.destination_tokens()
+    n = destinations.shape[1]
+    assert n < h * w
+    offset = txt_len if block == "single" else 0
+    assert seen["img"].shape[1] == image_in.shape[1] - (h * w - n)
+    pe = seen["pe"]
+    for b in range(2):
+        assert torch.equal(pe[b, 0, :txt_len], rope_of(torch.arange(txt_len)))
+        image_rows = txt_len + destinations[b]  # ids rows of the destinations' (0, row, col)
+        assert torch.allclose(pe[b, 0, txt_len:txt_len + n], rope_of(image_rows))
+        assert torch.equal(pe[b, 0, txt_len + n:], rope_of(torch.arange(txt_len + h * w, txt_len + h * w + 6)))
+        kept = torch.cat([torch.arange(txt_len), image_rows, torch.arange(txt_len + h * w, txt_len + h * w + 6)])
+        assert torch.equal(seen["attn_mask"][b], args["attn_mask"][0][kept][:, kept])
+    assert out["img"].shape == image_in.shape
+    # rows of U sum to 1: a +1 update on merged tokens is +1 on every image token, text/Kontext get +1 as is
+    assert torch.allclose(out["img"][:, offset:], image_in[:, offset:] + 1.0, atol=1e-5)
+
+
+def test_sd3_last_block_returns_no_text(pack, built):
+    """SD3's last joint block has a pre-only context stream and returns txt=None: the patch passes it on."""
+    model, dit = built["sd3"], pack.nodes.dit
+    dm = model.model.diffusion_model
+    last = len(dm.joint_blocks) - 1
+    assert last in dit.merged_blocks(len(dm.joint_blocks), "double")
+    g = torch.Generator().manual_seed(5)
+    C = dm.hidden_size
+    args = {"img": torch.randn(1, 6 * 5, C, generator=g), "txt": torch.randn(1, 11, C, generator=g),
+            "vec": torch.randn(1, C, generator=g),
+            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: dit.ImageLayout(6, 5)}}
+
+    def block(a):
+        txt, img = dm.joint_blocks[last](a["txt"], a["img"], c=a["vec"],
+                                         transformer_options=a["transformer_options"])
+        return {"txt": txt, "img": img}
+
+    runtime = toma_runtime(pack, model)
+    with torch.no_grad():
+        out = dit.DiTPatch(runtime).double_block(dict(args), {"original_block": block})
+    assert out["txt"] is None and out["img"].shape == args["img"].shape
+    assert runtime.summary()["levels"]["double 6x5"]["merged_tokens"] < 30
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_no_state_leaks_between_runs(pack, built, arch):
+    model = built[arch]
+    runtime = toma_runtime(pack, model)
+    patched = pack.nodes.dit.patch_dit(model, runtime)
+    first = sample(patched, arch, SIZES["odd"])
+    sample(patched, arch, SIZES["1024x1024"], batch=2, tokens=256, seed=7)
+    assert torch.equal(sample(patched, arch, SIZES["odd"]), first)
+    assert {key[2] for key in runtime.plans} == {(14, 20)}
+    assert pack.nodes.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
+
+
+@pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
+def test_unet_baselines_leave_dits_unpatched(pack, built, node, caplog):
+    model = built["flux"]
+    before = copy.deepcopy(model.model_options)
+    cls = pack.nodes.toma_nodes.NODE_CLASS_MAPPINGS[node]
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        out = cls().patch(model, 0.5)[0] if node == "ToMeSDPatchModel" else cls().patch(model, 0.7)[0]
+    assert out is model and model.model_options == before
+    assert "UNet baseline" in caplog.text
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_real_1024_latent_with_tiny_width(pack, arch):
+    """The real latent of a 1024x1024 image (128x128 -> 64x64 tokens), one step, tiny widths."""
+    if arch == "flux":
+        config = dict(models.FLUX_TINY, hidden_size=32, num_heads=2, depth=1, depth_single_blocks=1)
+        model = models.build_flux(seed=6, config=config)
+    else:
+        config = dict(models.SD3_TINY, depth=1, x_block_self_attn_layers=[],
+                      context_embedder_config={"target": "torch.nn.Linear",
+                                               "params": {"in_features": 64, "out_features": 64}})
+        model = models.build_sd3(seed=6, config=config)
+    runtime = toma_runtime(pack, model)
+    out = sample(pack.nodes.dit.patch_dit(model, runtime), arch, (128, 128), tokens=256, steps=1, config=config)
+    assert out.shape == (1, 16, 128, 128) and torch.isfinite(out).all()
+    levels = runtime.summary()["levels"]
+    assert levels and all(v["tokens"] == 4096 and v["merged_tokens"] == 2048 for v in levels.values())
