@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACK_NAME = "comfyui_toma"  # sys.modules name used by load_pack()
 PACK_DIRNAME = "ComfyUI-ToMA"  # folder name of the pack inside a custom_nodes dir
 
-_state: dict = {}  # set once by import_comfy(): {"root": Path, "pytorch_attention": bool}
+_state: dict = {}  # set once by import_comfy(): {"root": Path, "pytorch_attention": bool, "cpu": bool}
 
 
 def comfy_root() -> Path:
@@ -41,8 +41,9 @@ def is_current_comfy() -> bool:
     return (root / "comfy" / "patcher_extension.py").is_file()
 
 
-def import_comfy(pytorch_attention: bool = False) -> Path:
+def import_comfy(pytorch_attention: bool = False, cpu: bool = True) -> Path:
     """Make ComfyUI importable in this process, on CPU, with its built-in extra nodes registered.
+    ``cpu=False`` lets ComfyUI pick its device (benchmarks on CUDA); tests keep the default.
 
     * The tree goes first on ``sys.path``: ComfyUI's top-level ``nodes.py`` must win over the pack's
       ``nodes/`` package (the repo root is on ``sys.path`` too, see conftest.py).
@@ -53,9 +54,9 @@ def import_comfy(pytorch_attention: bool = False) -> Path:
       external custom nodes skipped) or ``init_custom_nodes`` (old). Idempotent; returns the tree path.
     """
     if _state:
-        if _state["pytorch_attention"] != pytorch_attention:
-            raise RuntimeError("ComfyUI was already imported with pytorch_attention="
-                               f"{_state['pytorch_attention']}; use a subprocess for the other backend")
+        if (_state["pytorch_attention"], _state["cpu"]) != (pytorch_attention, cpu):
+            raise RuntimeError(f"ComfyUI was already imported with pytorch_attention={_state['pytorch_attention']}, "
+                               f"cpu={_state['cpu']}; use a subprocess for the other settings")
         return _state["root"]
     root = comfy_root()
     loaded = sys.modules.get("nodes")
@@ -70,7 +71,7 @@ def import_comfy(pytorch_attention: bool = False) -> Path:
 
     import comfy.cli_args
 
-    comfy.cli_args.args.cpu = True
+    comfy.cli_args.args.cpu = cpu
     if pytorch_attention:
         comfy.cli_args.args.use_pytorch_cross_attention = True
 
@@ -83,7 +84,7 @@ def import_comfy(pytorch_attention: bool = False) -> Path:
             asyncio.run(result)
     else:
         nodes.init_custom_nodes()
-    _state.update(root=root, pytorch_attention=pytorch_attention)
+    _state.update(root=root, pytorch_attention=pytorch_attention, cpu=cpu)
     return root
 
 

@@ -1,0 +1,234 @@
+"""Every shipped workflow (workflows/*.json) matches the node definitions a real server publishes.
+
+A renamed or reordered input of our nodes (or of ComfyUI's) must break a test here, not a user's graph.
+The API files (``*_api.json``, what ``POST /prompt`` takes) are checked input by input against
+``/object_info``; the UI files (what the front end loads) are checked for widget counts and are converted
+to API format with /object_info's input order, which must give exactly the shipped API twin.
+Runs against the pinned tree, and against current ComfyUI when COMFYUI_PATH points at it.
+"""
+import copy
+import json
+
+import pytest
+
+import server
+
+pytestmark = [pytest.mark.server, pytest.mark.comfy]
+
+UI_FILES = sorted(p.name for p in server.WORKFLOWS.glob("*.json") if not p.name.endswith("_api.json"))
+API_FILES = sorted(p.name for p in server.WORKFLOWS.glob("*_api.json"))
+
+# Flux arrived in ComfyUI in August 2024: the pinned March-2024 host has no FluxGuidance or
+# EmptySD3LatentImage, and its UNETLoader / DualCLIPLoader lack the weight_dtype / type inputs. In a tree
+# without Flux these nodes are left out (everything else in the Flux graphs is still checked); a tree with
+# Flux (current ComfyUI, COMFYUI_PATH) checks them like any other node.
+FLUX_ERA_NODES = {"UNETLoader", "DualCLIPLoader", "FluxGuidance", "EmptySD3LatentImage"}
+# Combo inputs whose choices are the user's model files: the test server has none of them.
+FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name1", "clip_name2", "vae_name"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+@pytest.fixture(scope="module")
+def object_info(tmp_path_factory):
+    with server.comfy_server(tmp_path_factory.mktemp("workflows-server")) as client:
+        return client.object_info()
+
+
+def checked_types(info: dict) -> callable:
+    """Predicate: is a node of this class checked against this tree (see FLUX_ERA_NODES)?"""
+    has_flux = "FluxGuidance" in info
+    return lambda class_type: has_flux or class_type not in FLUX_ERA_NODES
+
+
+def declared_inputs(definition: dict) -> list[tuple[str, list]]:
+    """(name, spec) of the required then optional inputs, in the order the front end lays out widgets."""
+    spec = definition["input"]
+    return [(name, value) for group in ("required", "optional") for name, value in spec.get(group, {}).items()]
+
+
+def options(spec: list) -> dict:
+    return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+
+
+def is_widget(spec: list) -> bool:
+    return (isinstance(spec[0], list) or spec[0] in WIDGET_TYPES) and not options(spec).get("forceInput")
+
+
+def widget_slots(name: str, spec: list) -> int:
+    """Values a widget input takes in ``widgets_values``: seed-like INTs carry the UI-only
+    control_after_generate value after them (legacy rule for inputs named seed/noise_seed, or the flag)."""
+    if spec[0] == "INT" and (options(spec).get("control_after_generate") or name in ("seed", "noise_seed")):
+        return 2
+    return 1
+
+
+def value_problems(where: str, name: str, spec: list, value) -> list[str]:
+    """Why ``value`` would not pass the server's validation of input ``name`` (empty list: it would)."""
+    kind, opts = spec[0], options(spec)
+    choices = kind if isinstance(kind, list) else opts.get("options") if kind == "COMBO" else None
+    if choices is not None:
+        if name in FILE_INPUTS or value in choices:
+            return []
+        return [f"{where}: {name}={value!r} is not one of {choices}"]
+    expected = {"INT": int, "FLOAT": (int, float), "STRING": str, "BOOLEAN": bool}.get(kind)
+    if expected is None:
+        return []
+    if not isinstance(value, expected) or (kind != "BOOLEAN" and isinstance(value, bool)):
+        return [f"{where}: {name}={value!r} is not a {kind}"]
+    if kind in ("INT", "FLOAT") and not opts.get("min", value) <= value <= opts.get("max", value):
+        return [f"{where}: {name}={value!r} outside [{opts.get('min')}, {opts.get('max')}]"]
+    return []
+
+
+def api_problems(graph: dict, info: dict) -> list[str]:
+    """Everything in an API-format graph that the server's /object_info says is wrong."""
+    checked = checked_types(info)
+    problems = []
+    for node_id, node in graph.items():
+        class_type = node["class_type"]
+        where = f"node {node_id} ({class_type})"
+        if not checked(class_type):
+            continue
+        if class_type not in info:
+            problems.append(f"{where}: unknown node type")
+            continue
+        declared = dict(declared_inputs(info[class_type]))
+        required = info[class_type]["input"].get("required", {})
+        problems += [f"{where}: required input {name!r} missing" for name in required if name not in node["inputs"]]
+        for name, value in node["inputs"].items():
+            if name not in declared:
+                problems.append(f"{where}: no input named {name!r} (has {sorted(declared)})")
+            elif isinstance(value, list):  # a link [source node id, output slot]
+                problems += link_problems(where, name, declared[name], value, graph, info, checked)
+            elif not is_widget(declared[name]):
+                problems.append(f"{where}: {name!r} takes a {declared[name][0]} link, got the value {value!r}")
+            else:
+                problems += value_problems(where, name, declared[name], value)
+    return problems
+
+
+def link_problems(where, name, spec, link, graph, info, checked) -> list[str]:
+    source_id, slot = link
+    source = graph.get(source_id)
+    if source is None:
+        return [f"{where}: {name!r} links to missing node {source_id}"]
+    if not checked(source["class_type"]) or source["class_type"] not in info:
+        return []  # reported (or deliberately left out) at the source node itself
+    outputs = info[source["class_type"]]["output"]
+    if slot >= len(outputs):
+        return [f"{where}: {name!r} links to output {slot} of {source['class_type']}, which has {len(outputs)}"]
+    wanted = spec[0] if not isinstance(spec[0], list) else "COMBO"
+    if outputs[slot] != wanted and "*" not in (outputs[slot], wanted):
+        return [f"{where}: {name!r} takes {wanted}, linked to a {outputs[slot]} output"]
+    return []
+
+
+def ui_to_api(workflow: dict, info: dict) -> tuple[dict, list[str]]:
+    """Convert a UI workflow the way the front end does (widgets_values mapped to the widget inputs in
+    /object_info order, links by slot); returns (API graph, problems found on the way)."""
+    checked = checked_types(info)
+    links = {link[0]: link for link in workflow["links"]}
+    graph, problems = {}, []
+    for node in workflow["nodes"]:
+        class_type, where = node["type"], f"node {node['id']} ({node['type']})"
+        linked = {entry["name"]: entry["link"] for entry in node.get("inputs", []) if entry.get("link") is not None}
+        inputs = {name: [str(links[link][1]), links[link][2]] for name, link in linked.items()}
+        graph[str(node["id"])] = {"class_type": class_type, "inputs": inputs}
+        if not checked(class_type) or class_type not in info:
+            continue
+        widgets = [(name, spec) for name, spec in declared_inputs(info[class_type]) if is_widget(spec)]
+        values = list(node.get("widgets_values", []))
+        expected = sum(widget_slots(name, spec) for name, spec in widgets)
+        if len(values) != expected:
+            problems.append(f"{where}: {len(values)} widgets_values, the widgets "
+                            f"{[name for name, _ in widgets]} take {expected}")
+            continue
+        for name, spec in widgets:
+            value = values.pop(0)
+            if widget_slots(name, spec) == 2:
+                control = values.pop(0)
+                if control not in ("fixed", "increment", "decrement", "randomize"):
+                    problems.append(f"{where}: control_after_generate of {name!r} is {control!r}")
+            if name not in inputs:  # a widget converted to an input takes its link instead
+                inputs[name] = value
+    return graph, problems
+
+
+def ui_link_problems(workflow: dict, info: dict) -> list[str]:
+    """Links table vs the nodes' own inputs/outputs lists and the output types of /object_info."""
+    checked = checked_types(info)
+    nodes = {node["id"]: node for node in workflow["nodes"]}
+    problems = []
+    for link_id, source, slot, target, target_slot, kind in workflow["links"]:
+        where = f"link {link_id}"
+        if source not in nodes or target not in nodes:
+            problems.append(f"{where}: joins missing nodes {source} -> {target}")
+            continue
+        if link_id not in nodes[source]["outputs"][slot].get("links", []):
+            problems.append(f"{where}: not listed on output {slot} of node {source}")
+        if nodes[target]["inputs"][target_slot].get("link") != link_id:
+            problems.append(f"{where}: not the link of input {target_slot} of node {target}")
+        source_type = nodes[source]["type"]
+        if checked(source_type) and source_type in info and info[source_type]["output"][slot] != kind:
+            problems.append(f"{where}: typed {kind}, output {slot} of {source_type} is "
+                            f"{info[source_type]['output'][slot]}")
+    return problems
+
+
+def comparable(graph: dict) -> dict:
+    """class_type + inputs only (the _meta titles are not part of what the server runs)."""
+    return {node_id: {"class_type": node["class_type"], "inputs": node["inputs"]} for node_id, node in graph.items()}
+
+
+def test_every_ui_workflow_has_an_api_twin():
+    assert UI_FILES, "no workflows shipped"
+    assert sorted(name[: -len(".json")] + "_api.json" for name in UI_FILES) == API_FILES
+
+
+def test_our_nodes_are_used_in_the_shipped_workflows():
+    used = {node["class_type"] for name in API_FILES for node in server.load_workflow(name).values()}
+    assert {"ToMAPatchModel", "ToMeSDPatchModel"} <= used
+
+
+@pytest.mark.parametrize("name", API_FILES)
+def test_api_workflow_matches_object_info(object_info, name):
+    graph = server.load_workflow(name)
+
+    problems = api_problems(graph, object_info)
+
+    assert problems == []
+    assert any(node["class_type"] == "SaveImage" for node in graph.values()), "no output node"
+
+
+@pytest.mark.parametrize("name", UI_FILES)
+def test_ui_workflow_matches_object_info_and_its_api_twin(object_info, name):
+    workflow = server.load_workflow(name)
+    twin = server.load_workflow(name[: -len(".json")] + "_api.json")
+
+    converted, problems = ui_to_api(workflow, object_info)
+    problems += ui_link_problems(workflow, object_info)
+
+    assert workflow["version"] == 0.4
+    assert problems == []
+    checked = checked_types(object_info)
+    kept = {node_id for node_id, node in twin.items() if checked(node["class_type"])}
+    assert {k: v for k, v in comparable(converted).items() if k in kept} == \
+           {k: v for k, v in comparable(twin).items() if k in kept}
+    assert set(converted) == set(twin)
+
+
+def test_checks_catch_a_renamed_input_and_a_missing_widget_value(object_info):
+    """The checks above can fail: a renamed input and a dropped widget value are both reported."""
+    graph = server.load_workflow("sd15_toma_api.json")
+    patch = next(node for node in graph.values() if node["class_type"] == "ToMAPatchModel")
+    patch["inputs"]["window"] = patch["inputs"].pop("window_size")
+    workflow = copy.deepcopy(server.load_workflow("sd15_toma.json"))
+    ui_patch = next(node for node in workflow["nodes"] if node["type"] == "ToMAPatchModel")
+    ui_patch["widgets_values"].pop()
+
+    api_report = api_problems(graph, object_info)
+    _, ui_report = ui_to_api(workflow, object_info)
+
+    assert any("'window'" in p for p in api_report) and any("'window_size' missing" in p for p in api_report), \
+        json.dumps(api_report)
+    assert any("ToMAPatchModel" in p and "widgets_values" in p for p in ui_report), json.dumps(ui_report)
