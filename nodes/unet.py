@@ -175,9 +175,11 @@ def patch_unet(model, runtime: MergeRuntime, levels_choice: str, scope: str):
 
 def install_run_hooks(m, runtime: MergeRuntime):
     """A clean slate per sampling run and stats at its end: CUR's OUTER_SAMPLE wrapper when the host has
-    it. Otherwise the runtime notices new runs from the sigmas alone, and the run end is the one call
-    every sampling run of older ComfyUI ends with: ``comfy.samplers.sample`` hands the sampled latent to
-    ``BaseModel.process_latent_out``, which we object-patch (the model itself is untouched)."""
+    it. Older ComfyUI has no run hooks, so two calls every sampling run makes are object-patched (the model
+    itself is untouched): ``comfy.samplers.sample`` first encodes each cond through
+    ``BaseModel.extra_conds`` (with the run's ``latent_image``), and at the end hands the sampled latent to
+    ``BaseModel.process_latent_out``. The start matters where sigmas cannot tell runs apart: one-step runs,
+    and a run cancelled in its first step, all begin at the sigma the previous one stopped at."""
     try:
         from comfy.patcher_extension import WrappersMP
     except ImportError:
@@ -185,6 +187,14 @@ def install_run_hooks(m, runtime: MergeRuntime):
     if WrappersMP is not None and hasattr(m, "add_wrapper_with_key"):
         m.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, "comfyui_toma", runtime.outer_sample_wrapper)
         return
+    extra_conds = original_attr(m, "extra_conds")
+
+    def reset_then_extra_conds(**kwargs):
+        if "latent_image" in kwargs:  # PerpNeg also encodes a cond in every step, without latent_image
+            runtime.reset()
+        return extra_conds(**kwargs)
+
+    m.add_object_patch("extra_conds", reset_then_extra_conds)
     process_latent_out = original_attr(m, "process_latent_out")
 
     def process_latent_out_then_end_run(latent):
