@@ -155,7 +155,11 @@ def is_unet(model) -> bool:
 def patch_unet(model, runtime: MergeRuntime, levels_choice: str, scope: str):
     """Returns the patched clone of ``model`` (a ComfyUI ModelPatcher), or raises ValueError."""
     dm = model.model.diffusion_model
-    levels = resolve_levels(levels_choice, attention_levels(dm))
+    available = attention_levels(dm)
+    levels = resolve_levels(levels_choice, available)
+    if not levels & set(available):  # e.g. ToMeSD's max_downsample 1 on SDXL: a silent no-op otherwise
+        log.warning("ToMA: %s merges nothing: this UNet has attention only at downsample %s, none of %s",
+                    runtime.name, ", ".join(map(str, available)), ", ".join(map(str, sorted(levels))))
     patch = UNetPatch(runtime, levels)
     m = model.clone()
     if scope == "attention":
