@@ -41,6 +41,19 @@ def is_current_comfy() -> bool:
     return (root / "comfy" / "patcher_extension.py").is_file()
 
 
+CURRENT_ONLY = ("Flux/SD3 exist only in current ComfyUI (set COMFYUI_PATH, e.g. to the .comfyui-current made "
+                "by tests/setup_current.sh)")
+
+
+def has_current_comfy() -> bool:
+    """Like ``is_current_comfy`` but False where no ComfyUI tree exists (the comfy fixture reports that),
+    for use in skip conditions at import time."""
+    try:
+        return is_current_comfy()
+    except RuntimeError:
+        return False
+
+
 def import_comfy(pytorch_attention: bool = False, cpu: bool = True) -> Path:
     """Make ComfyUI importable in this process, on CPU, with its built-in extra nodes registered.
     ``cpu=False`` lets ComfyUI pick its device (benchmarks on CUDA); tests keep the default.

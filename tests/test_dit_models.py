@@ -14,16 +14,9 @@ import comfy_host
 from toma_bench import models
 
 
-def _current_comfy() -> bool:
-    try:
-        return comfy_host.is_current_comfy()
-    except RuntimeError:  # no ComfyUI tree at all: the comfy fixture reports that
-        return False
 
-
-pytestmark = [pytest.mark.comfy, pytest.mark.skipif(
-    not _current_comfy(), reason="Flux/SD3 exist only in current ComfyUI (set COMFYUI_PATH, e.g. to the "
-                                 ".comfyui-current made by tests/setup_current.sh)")]
+pytestmark = [pytest.mark.comfy,
+              pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
 
 CONFIGS = {"flux": models.FLUX_TINY, "sd3": models.SD3_TINY}
 SIZES = {"1024x1024": (32, 32), "832x1216": (26, 38), "odd": (27, 39)}

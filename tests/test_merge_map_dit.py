@@ -9,16 +9,9 @@ import torch
 import comfy_host
 
 
-def _current_comfy() -> bool:
-    try:
-        return comfy_host.is_current_comfy()
-    except RuntimeError:  # no ComfyUI tree at all: the comfy fixture reports that
-        return False
 
-
-pytestmark = [pytest.mark.comfy, pytest.mark.skipif(
-    not _current_comfy(), reason="Flux exists only in current ComfyUI (set COMFYUI_PATH, e.g. to the "
-                                 ".comfyui-current made by tests/setup_current.sh)")]
+pytestmark = [pytest.mark.comfy,
+              pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
 
 LATENT = (26, 38)  # 832x1216 / 4: a 13x19 token grid with patch size 2
 
