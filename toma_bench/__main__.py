@@ -1,0 +1,4 @@
+"""``python -m toma_bench``: the UNet speed/fidelity benchmark (see toma_bench/unet.py and docs/benchmarks.md)."""
+from .unet import main
+
+main()
