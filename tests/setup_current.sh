@@ -4,12 +4,12 @@
 #   .venv/              the test host's venv, plus what current ComfyUI needs beyond the pinned tree
 # The same venv keeps serving the pinned tree; torch/torchvision stay as tests/setup_host.sh pinned them.
 # Then:  export COMFYUI_PATH=<repo>/.comfyui-current   and run the tests as usual.
-# Env: COMFYUI_MIRROR (default /work/.mirror/Comfy-Org+ComfyUI/repo), a bare git dir of Comfy-Org/ComfyUI.
+# Env: COMFYUI_MIRROR, a bare git dir of Comfy-Org/ComfyUI (default: the mirror beside this checkout).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 dest="$root/.comfyui-current"
-mirror="${COMFYUI_MIRROR:-/work/.mirror/Comfy-Org+ComfyUI/repo}"
+mirror="${COMFYUI_MIRROR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/.mirror/Comfy-Org+ComfyUI/repo}"
 py="$venv/bin/python"
 
 [ -x "$py" ] || bash "$root/tests/setup_host.sh"
