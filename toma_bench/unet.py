@@ -439,7 +439,8 @@ def main(argv=None) -> None:
     dtype = torch.float16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     mode = "sweep" if args.sweep else "quick" if args.quick else "full"
-    device_name = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    device_name = torch.cuda.get_device_name() if cuda else f"CPU, {threads} thread{'s' if threads > 1 else ''}"
     print(f"torch {torch.__version__}; {device_name}; {str(dtype).removeprefix('torch.')}; attention "
           f"{args.attention}; ComfyUI {'current' if pack_is_current() else 'March 2024'}; {SAMPLER}/{SCHEDULER} "
           f"img2img denoise {DENOISE}, cfg {CFG}; self-attention q/k gain {args.qk_gain:g}", flush=True)
@@ -461,16 +462,15 @@ def main(argv=None) -> None:
             print(f"{arch}: {config_name}, latent {LATENT_SIDE[arch]}x{LATENT_SIDE[arch]}, {steps} steps, "
                   f"{len(variants)} variants, {repeats} timing passes", flush=True)
             start = time.perf_counter()
-            rows += measure(job, variants, base, repeats, sync, pack, progress=lambda s: print(s, flush=True))
-            print(f"  {arch} done in {time.perf_counter() - start:.0f} s", flush=True)
+            arch_rows = measure(job, variants, base, repeats, sync, pack, progress=lambda s: print(s, flush=True))
+            print(f"  {arch} done in {time.perf_counter() - start:.0f} s\n\n{format_table(arch_rows)}\n", flush=True)
+            rows += arch_rows
             del base
-    print()
-    print(format_table(rows))
     odd = [r for r in rows if r.calls_per_step != 1 or r.batch != 2]
     if odd:
         print(f"note: {len(odd)} variants did not run one batch-2 call per step (CFG batch split)")
     if args.plot and not args.sweep:
-        title = f"{device_name}, {args.attention}, img2img {rows[0].arch} (see docs/benchmarks.md)"
+        title = f"{device_name}, attention {args.attention}, img2img {steps} steps (docs/benchmarks.md)"
         plot(rows, Path(args.plot), title)
         print(f"plot: {args.plot}")
 
