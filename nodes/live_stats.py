@@ -7,15 +7,69 @@ listener made here sends a ``comfyui_toma.stats`` websocket message to the front
 """
 import logging
 import sys
+import time
+
+import torch
 
 log = logging.getLogger("ComfyUI-ToMA")
 
 EVENT = "comfyui_toma.stats"
 
 
+class StageClock:
+    """Seconds spent per stage of merging (select, merge, unmerge) in a sampling run.
+
+    On CUDA the work of a stage finishes long after the host has launched it, so a host clock would measure
+    launch time. There each stage is bracketed by two CUDA events on the current stream, and the elapsed
+    times are read only when ``seconds()`` is asked for at the end of a run: reading an event waits for
+    it, which must never happen in a block call. On other devices the stages are timed with the host
+    clock (``kind`` says which)."""
+
+    def __init__(self, stages):
+        self.totals = dict.fromkeys(stages, 0.0)
+        self.pending = []  # (stage, start event, end event) not read yet
+        self.cuda = False
+
+    @property
+    def kind(self) -> str:
+        return "cuda events" if self.cuda else "host"
+
+    def use(self, device: torch.device) -> None:
+        """Time the next stages as work on ``device``."""
+        self.cuda = device.type == "cuda"
+
+    def reset(self) -> None:
+        self.totals = dict.fromkeys(self.totals, 0.0)
+        self.pending.clear()
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, stage: str, started) -> None:
+        if isinstance(started, float):
+            self.totals[stage] += time.perf_counter() - started
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.append((stage, started, end))
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per stage so far (waits for the device to finish the timed work)."""
+        for stage, start, end in self.pending:
+            end.synchronize()
+            self.totals[stage] += start.elapsed_time(end) / 1000.0
+        self.pending.clear()
+        return dict(self.totals)
+
+
 def stats_lines(summary: dict) -> list[str]:
     """Short human lines for a runtime summary: one per merged level (most tokens first), then the shares
-    of the sampling wall time spent selecting destinations, merging and unmerging."""
+    of the sampling wall time spent selecting destinations, merging and unmerging (device time from CUDA
+    events on CUDA, host time elsewhere: the summary's ``clock``)."""
     levels = sorted(summary["levels"].items(), key=lambda item: -item[1]["tokens"])  # as the merge map counts
     lines = [f"{name}: {v['tokens']} → {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
     if not lines:

@@ -1,8 +1,10 @@
 """What the merge map shows: light records of the plans a runtime used, and how a MODEL leads to its runtime.
 
-Records. When a runtime builds (or rebuilds) a plan, it keeps a ``PlanRecord``: for the first batch row
-only, which kept token every token was merged into, as small int32 tensors on the CPU. Plans reused from
-the cache add nothing, so the sampling hot path is untouched.
+Records. When a runtime builds (or rebuilds) a plan, it keeps a ``PlanRecord`` that holds the plan itself,
+where it already is (on the device). Only when a merge map asks for a record's groups does it work out,
+for the first batch row, which kept token every token was merged into, and copy that to the CPU as
+small int32 tensors. Recording launches no device work and reads nothing back, so a run without a merge
+map never waits for the device on its account; plans reused from the cache add nothing at all.
 
 Finding the runtime from a MODEL. ``model_options`` is deep-copied whenever ComfyUI clones a patcher
 (trap T6), so the MODEL carries only a string: ``model_options["transformer_options"]["comfyui_toma"]``
@@ -13,10 +15,12 @@ clones (every clone of a patched model shares its runtime, see ``MergeRuntime.__
 import uuid
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from ..toma_core import BipartitePlan, IdentityPlan, MergePlan, untile_tokens
+from ..toma_core.tiles import grid_on
 
 OPTIONS_KEY = "comfyui_toma"
 
@@ -29,17 +33,36 @@ class PlanRecord:
 
     step: sampling step at which the plan was built; it stays in use until the next record of its level.
     h, w: token grid. cell: (rows, cols) of the windows the method merges inside (ToMA tiles, ToMeSD
-    cells) for drawing their borders, None if unknown.
-    groups: (N,) int32, raster index of the kept token each token was merged into (its own index if it
-    was kept). kept: (K,) int32 raster indices of the tokens that survive merging (destinations).
+    cells) for drawing their borders, None if unknown. plan: the MergePlan, BipartitePlan or IdentityPlan.
     """
 
     step: int
     h: int
     w: int
     cell: tuple[int, int] | None
-    groups: torch.Tensor
-    kept: torch.Tensor
+    plan: object
+
+    @cached_property
+    def _groups_and_kept(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.plan, MergePlan):
+            groups, kept = toma_groups(self.plan)
+        elif isinstance(self.plan, BipartitePlan):
+            groups, kept = bipartite_groups(self.plan)
+        else:
+            groups = kept = torch.arange(self.plan.num_merged)
+        as_cpu = lambda t: t.to(device="cpu", dtype=torch.int32)  # noqa: E731
+        return as_cpu(groups), as_cpu(kept)
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """(N,) int32 on the CPU: raster index of the kept token each token was merged into (its own index
+        if it was kept)."""
+        return self._groups_and_kept[0]
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """(K,) int32 on the CPU: raster indices of the tokens that survive merging (destinations)."""
+        return self._groups_and_kept[1]
 
 
 def toma_groups(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +73,7 @@ def toma_groups(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor]:
     dest = plan.destinations[0]  # (T, D) index inside the tile, -1 = unused slot
     share = plan.unmerge_weights[0].float().masked_fill(dest[:, None, :] < 0, float("-inf"))  # (T, S, D)
     in_tile = dest.gather(1, share.argmax(-1)).clamp(min=0)  # (T, S)
-    origin = grid.tile_origin.to(dest.device)  # (T, S) raster index of each slot
+    origin = grid_on(grid, dest.device)[1]  # (T, S) raster index of each slot
     raster = origin.gather(1, in_tile)
     groups = untile_tokens(raster[None, :, :, None], grid)[0, :, 0]
     kept = origin.gather(1, dest.clamp(min=0))[dest >= 0]
@@ -70,19 +93,13 @@ def bipartite_groups(plan: BipartitePlan) -> tuple[torch.Tensor, torch.Tensor]:
 def record_plan(plan, step: int, hw: tuple[int, int], method=None) -> PlanRecord:
     """The PlanRecord of ``plan`` used from ``step`` on, for a grid of ``hw`` tokens. ``method`` gives
     the cell size of bipartite plans (its ``sy``, ``sx``)."""
-    if isinstance(plan, MergePlan):
-        groups, kept = toma_groups(plan)
+    if isinstance(plan, (MergePlan, IdentityPlan)):
         cell = (plan.grid.tile, plan.grid.tile)
     elif isinstance(plan, BipartitePlan):
-        groups, kept = bipartite_groups(plan)
         cell = (method.sy, method.sx) if hasattr(method, "sy") and hasattr(method, "sx") else None
-    elif isinstance(plan, IdentityPlan):
-        groups = kept = torch.arange(plan.num_merged)
-        cell = (plan.grid.tile, plan.grid.tile)
     else:
         raise TypeError(f"cannot record a {type(plan).__name__}")
-    as_cpu = lambda t: t.to(device="cpu", dtype=torch.int32)  # noqa: E731
-    return PlanRecord(step, int(hw[0]), int(hw[1]), cell, as_cpu(groups), as_cpu(kept))
+    return PlanRecord(step, int(hw[0]), int(hw[1]), cell, plan)
 
 
 # -- MODEL -> runtime ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..toma_core import CATOME_CONFIG3, ReuseSchedule, SigmaClock, catome_checkpoints, catome_plan, plan_tiles, tomesd_plan
+from .live_stats import StageClock
 from .plan_records import record_plan
 
 log = logging.getLogger("ComfyUI-ToMA")
@@ -123,7 +124,7 @@ class MergeRuntime:
         self.plans: dict = {}
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
-        self.seconds = {"select": 0.0, "merge": 0.0, "unmerge": 0.0}
+        self.stage_clock = StageClock(("select", "merge", "unmerge"))
         self.records: dict[str, list] = {}  # level name -> PlanRecords of this run, in step order
         self.run_started = None
         self.run_listeners = []
@@ -141,7 +142,7 @@ class MergeRuntime:
         self.failed.clear()
         self.levels.clear()
         self.records.clear()
-        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.stage_clock.reset()
         self.clock.reset()
         getattr(self.method, "schedule", None) and self.method.schedule.reset()
         hasattr(self.method, "reset") and self.method.reset()
@@ -198,7 +199,8 @@ class MergeRuntime:
             return None
         step, progress, total = where
         cached = self.plans.get(key)
-        start = time.perf_counter()
+        self.stage_clock.use(transformer_options["sigmas"].device)
+        start = self.stage_clock.start()
         try:
             plan = self.method.plan(cached, features, hw, step, progress, total, key)
         except Exception as e:  # never crash mid-sampling: run this block unmerged from now on
@@ -208,7 +210,7 @@ class MergeRuntime:
         if plan is None:
             return None
         if plan is not cached:
-            self.seconds["select"] += time.perf_counter() - start
+            self.stage_clock.stop("select", start)
             self.plans[key] = plan
             self.record(level_name, step, hw, plan)
         stats = self.levels.setdefault(level_name, LevelStats())
@@ -227,9 +229,9 @@ class MergeRuntime:
             log.exception("ToMA: could not record the plan of %s for the merge map", level_name)
 
     def timed(self, kind, fn, x):
-        start = time.perf_counter()
+        start = self.stage_clock.start()
         out = fn(x)
-        self.seconds[kind] += time.perf_counter() - start
+        self.stage_clock.stop(kind, start)
         return out
 
     def summary(self) -> dict:
@@ -238,6 +240,7 @@ class MergeRuntime:
             "method": self.name,
             "levels": {k: {"tokens": v.tokens, "merged_tokens": v.merged_tokens, "steps": len(v.steps)}
                        for k, v in sorted(self.levels.items())},
-            "seconds": dict(self.seconds),
+            "seconds": self.stage_clock.seconds(),
+            "clock": self.stage_clock.kind,
             "wall_seconds": wall,
         }

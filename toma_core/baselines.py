@@ -64,19 +64,25 @@ def grid_destinations(
     hw: tuple[int, int], sx: int, sy: int, generator: torch.Generator | None, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One destination per sy x sx cell (random inside the cell with a generator, top-left without).
-    Border rows/columns that do not fill a cell are all sources. Returns (src_index, dst_index), raster."""
+    Border rows/columns that do not fill a cell are all sources. Returns (src_index, dst_index), raster,
+    both ascending, on ``device`` (default: the generator's device, else the CPU).
+
+    Everything is computed where the generator draws, and every size is known from the grid shape, so
+    nothing is read back from the device (tomesd draws on the device, then sorts indices out on the CPU)."""
     h, w = hw
     hs, ws = h // sy, w // sx
+    where = generator.device if generator is not None else (device or "cpu")
     if generator is None:
-        pick = torch.zeros(hs, ws, dtype=torch.long)
+        pick = torch.zeros(hs, ws, dtype=torch.long, device=where)
     else:
-        pick = torch.randint(sy * sx, (hs, ws), generator=generator, device=generator.device).cpu()
-    is_dst = torch.zeros(h, w, dtype=torch.bool)
-    cell = torch.zeros(hs, ws, sy * sx, dtype=torch.bool).scatter_(2, pick[..., None], True)
-    is_dst[: hs * sy, : ws * sx] = cell.view(hs, ws, sy, sx).transpose(1, 2).reshape(hs * sy, ws * sx)
-    flat = is_dst.flatten()
-    dst = flat.nonzero().squeeze(1)
-    src = (~flat).nonzero().squeeze(1)
+        pick = torch.randint(sy * sx, (hs, ws), generator=generator, device=where)
+    rows = torch.arange(hs, device=where)[:, None] * sy + pick // sx
+    cols = torch.arange(ws, device=where)[None, :] * sx + pick % sx
+    dst = (rows * w + cols).flatten().sort().values
+    is_dst = torch.zeros(h * w, dtype=torch.uint8, device=where).index_fill_(0, dst, 1)
+    # a stable sort of the 0/1 flags lists the sources (0) first, in raster order
+    src = is_dst.sort(stable=True).indices[: h * w - hs * ws]
+    device = device if device is not None else where
     return src[None].to(device), dst[None].to(device)
 
 
@@ -131,6 +137,8 @@ def catome_plan(
         raise ValueError(f"threshold must be in [-1, 1], got {threshold}")
     src_index, dst_index = grid_destinations(hw, sx, sy, generator, x.device)
     score, target = _match(x, src_index, dst_index)
+    # The merged length depends on the data, and the attention that follows needs it as a shape: this is
+    # the one read from the device per CA-ToMe plan (built at checkpoint steps only, reused in between).
     r = int((score >= threshold).sum(-1).min())
     return _bipartite(x, src_index, dst_index, score, target, r)
 

@@ -7,11 +7,12 @@ For one tile with normalised tokens X (S x C) and destinations Dn (D x C):
 Merging and unmerging are batched matmuls over (B, T) with tiny D x S matrices: no sort, no scatter.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from .selection import select_by_similarity, unit_similarity, unit_vectors
-from .tiles import TileGrid, tile_tokens, untile_tokens
+from .tiles import TileGrid, grid_on, tile_tokens, untile_tokens
 
 DEFAULT_TAU = 1000.0
 
@@ -22,6 +23,33 @@ def destinations_per_tile(grid: TileGrid, ratio: float) -> torch.Tensor:
         raise ValueError(f"ratio must be in [0, 1), got {ratio}")
     real = grid.valid.sum(-1)
     return torch.round(real * (1.0 - ratio)).long().clamp_(min=1)
+
+
+@dataclass(frozen=True)
+class PlanGeometry:
+    """What every plan of one grid and ratio shares, on one device.
+
+    keep: D, the most destinations a tile keeps. valid: (T, S) bool real slots. live_slot: (T, D) bool,
+    which destination slots a tile uses. live: (N',) long, which of the T*D slots hold a real merged token;
+    None when all do.
+    """
+
+    keep: int
+    valid: torch.Tensor
+    live_slot: torch.Tensor
+    live: torch.Tensor | None
+
+
+@lru_cache(maxsize=256)
+def plan_geometry(grid: TileGrid, ratio: float, device: torch.device) -> PlanGeometry:
+    """The PlanGeometry of ``grid`` at ``ratio`` on ``device``, computed on the host from the grid shape
+    and copied to the device once per (grid, ratio, device), so building a plan reads nothing back from
+    the device and copies nothing to it."""
+    keep = destinations_per_tile(grid, ratio)
+    D = int(keep.max())
+    live_slot = torch.arange(D)[None, :] < keep[:, None]
+    live = None if bool(live_slot.all()) else live_slot.flatten().nonzero().squeeze(1).to(device)
+    return PlanGeometry(D, grid_on(grid, device)[0], live_slot.to(device), live)
 
 
 @dataclass
@@ -67,7 +95,7 @@ class MergePlan:
     def destination_tokens(self) -> torch.Tensor:
         """(B, N') long raster index of each merged token's destination (for positional tables)."""
         B, T, D = self.destinations.shape
-        origin = self.grid.tile_origin.to(self.destinations.device)
+        origin = grid_on(self.grid, self.destinations.device)[1]
         raster = origin[torch.arange(T, device=origin.device)[:, None], self.destinations.clamp(min=0)]
         raster = raster.reshape(B, T * D)
         return raster if self.live is None else raster.index_select(1, self.live)
@@ -120,12 +148,10 @@ def plan_tiles(
     grid = TileGrid(hw[0], hw[1], tile)
     if ratio == 0.0:
         return IdentityPlan(grid, x.shape[0], x.device)
-    keep = destinations_per_tile(grid, ratio).to(x.device)
-    valid = grid.valid.to(x.device)
+    geometry = plan_geometry(grid, float(ratio), x.device)
+    valid, live_slot, D = geometry.valid, geometry.live_slot, geometry.keep
     feats = unit_vectors(tile_tokens(x, grid))  # (B, T, S, C) fp32
     B, T, S, C = feats.shape
-    D = int(keep.max())
-    live_slot = torch.arange(D, device=x.device)[None, :] < keep[:, None]  # (T, D)
     if destinations is None:
         destinations = select_by_similarity(unit_similarity(feats), D, valid, generator=generator)
         destinations = destinations.masked_fill(~live_slot, -1)
@@ -141,5 +167,4 @@ def plan_tiles(
     A = logits.softmax(dim=-2) * valid[None, :, None, :]
     M = A / A.sum(-1, keepdim=True).clamp_min(1e-12)
     U = torch.linalg.pinv(M) if exact else A.transpose(-1, -2)
-    live = None if bool(live_slot.all()) else live_slot.flatten().nonzero().squeeze(1)
-    return MergePlan(grid, destinations, M.to(x.dtype), U.to(x.dtype), live)
+    return MergePlan(grid, destinations, M.to(x.dtype), U.to(x.dtype), geometry.live)

@@ -6,7 +6,7 @@ bottom/right with masked tokens, so every real token belongs to exactly one tile
 same shape (one batched matmul serves them all).
 """
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,13 @@ class TileGrid:
         xs = torch.arange(self.cols * t).view(1, 1, self.cols, t)
         idx = ys.clamp(max=self.h - 1) * self.w + xs.clamp(max=self.w - 1)
         return idx.permute(0, 2, 1, 3).reshape(self.num_tiles, self.tile_size)
+
+
+@lru_cache(maxsize=256)
+def grid_on(grid: TileGrid, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid, tile_origin) of ``grid`` on ``device``, copied there once per (grid, device): a copy from the
+    host inside a block call would make the host wait for the device on every call."""
+    return grid.valid.to(device), grid.tile_origin.to(device)
 
 
 def tile_tokens(x: torch.Tensor, grid: TileGrid) -> torch.Tensor:
