@@ -1,0 +1,101 @@
+"""No host-device syncs in the hot path: at most one per model call (reading the step where the sampler
+hands it over), none per block call, no copies to the device inside model calls.
+
+Each method samples a small random-weight model twice through ComfyUI's own sampler; the second run
+(plan caches cleared, per-grid geometry already on the device) is watched by toma_bench.syncs.SyncCounter,
+which records every call that would make the host wait for a GPU and the file:line it came from. The one
+exception is CA-ToMe's merged length, which depends on the data and is read once per plan it builds (at
+its checkpoint steps only). On failure the message lists every site.
+"""
+import pytest
+import torch
+
+import comfy_host
+from toma_bench import models
+from toma_bench.syncs import SyncCounter
+
+pytestmark = pytest.mark.comfy
+
+# SD1.5 layout (attention at 1/1, 1/2, 1/4) at a small width: a step takes milliseconds.
+UNET_TINY = dict(models.SD15_SMALL, model_channels=32, num_heads=2)
+STEPS = 6  # ToMA's default reuse interval is 5: steps 0 and 5 build plans, the others reuse them
+UNET_METHODS = {
+    "ToMA": ("ToMAPatchModel", {"ratio": 0.5, "window_size": 4, "reuse_interval": 5}),
+    "ToMeSD": ("ToMeSDPatchModel", {"ratio": 0.5, "max_downsample": 2}),
+    "CA-ToMe": ("CAToMePatchModel", {"threshold": 0.5, "max_downsample": 2}),
+}
+
+
+def watched_run(model, run) -> SyncCounter:
+    """Run ``run(model)`` once to warm up, then again under a SyncCounter; return the counter."""
+    counter = SyncCounter("cpu")
+    m = model.clone()
+    m.set_model_unet_function_wrapper(counter.model_wrapper)
+    run(m)
+    counter.events.clear()
+    counter.model_calls = 0
+    with counter:
+        run(m)
+    return counter
+
+
+def check_bound(counter: SyncCounter, allowed_sites=()) -> None:
+    """No copy to the device inside a model call, and at most one pack read per model call, apart from
+    the events at ``allowed_sites`` (file:line prefixes) that the caller checks itself."""
+    report = counter.report()
+    inside = [e for e in counter.pack_events() if e.model_call is not None]
+    copies = [e for e in inside if e.what == "copy to device"]
+    assert not copies, f"copies from the host inside model calls:\n{report}"
+    reads = [e for e in inside if not e.site.startswith(tuple(allowed_sites))]
+    worst = max(counter.per_model_call(reads).values(), default=0)
+    assert counter.model_calls >= STEPS
+    assert worst <= 1, f"up to {worst} pack reads in one model call (bound: 1):\n{report}"
+
+
+@pytest.mark.parametrize("method", list(UNET_METHODS))
+def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, method, monkeypatch):
+    import comfy.sample
+
+    node, inputs = UNET_METHODS[method]
+    (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(models.build_unet("sd15", 0, config=UNET_TINY), **inputs)
+    builds = []
+    catome_plan = pack.nodes.runtime.catome_plan
+    monkeypatch.setattr(pack.nodes.runtime, "catome_plan", lambda *a, **k: builds.append(1) or catome_plan(*a, **k))
+    positive, negative = models.conditioning("sd15", 1, height=128, width=128)
+    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+
+    def run(m):
+        builds.clear()
+        comfy.sample.sample(m, noise, STEPS, 2.0, "euler", "normal", positive, negative, torch.zeros(1, 4, 16, 16),
+                            seed=0, disable_pbar=True)
+
+    counter = watched_run(patched, run)
+
+    summary = pack.nodes.plan_records.runtime_of(patched).summary()
+    assert summary["levels"], f"{method} merged nothing: the count would prove nothing"
+    catome_site = "toma_core/baselines.py"
+    check_bound(counter, allowed_sites=(catome_site,) if method == "CA-ToMe" else ())
+    at_catome = [e for e in counter.pack_events() if e.site.startswith(catome_site)]
+    assert len(at_catome) == len(builds if method == "CA-ToMe" else []), counter.report()
+
+
+@pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
+def test_flux_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
+    import comfy.sample
+
+    core, rt = pack.toma_core, pack.nodes.runtime
+    model = models.build_flux(seed=0)
+    method = rt.ToMAMethod(0.5, 4, core.ReuseSchedule(0.0, 1.0, 5, 1), core.DEFAULT_TAU, False)
+    runtime = rt.MergeRuntime(method, model.get_model_object("model_sampling"), "ToMA")
+    patched = pack.nodes.dit.patch_dit(model, runtime)
+    positive, negative = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
+    noise = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(0))
+
+    def run(m):
+        comfy.sample.sample(m, noise, STEPS, 1.0, "euler", "simple", positive, negative, torch.zeros(1, 16, 32, 32),
+                            seed=0, disable_pbar=True)
+
+    counter = watched_run(patched, run)
+
+    assert runtime.summary()["levels"], "Flux merged nothing: the count would prove nothing"
+    check_bound(counter)
