@@ -19,8 +19,7 @@ not inflate (use one thread there: a descheduled OpenMP thread stalls the others
 and ``merge %``: the runtime's own clocks (destination selection; merge + unmerge + position gathers),
 in % of the run's wall time; ``rel L2 x0``: relative L2 distance to unpatched of the model's denoised
 output at the first step (the model output on a structured latent); ``rel L2 out``: of the sampled
-latent. On CUDA the runtime's clocks are synchronised (a few microseconds per block call, charged to
-ToMA's step time) because kernels finish after their launch returns.
+latent. On CUDA the runtime's clocks are CUDA events (nodes.live_stats.StageClock), read after each run.
 """
 import argparse
 import datetime
@@ -38,12 +37,18 @@ REPO = Path(__file__).resolve().parent.parent
 PACK = "comfyui_toma"
 
 
-def import_comfy(device: str) -> Path:
-    """ComfyUI (``$COMFYUI_PATH``, else <repo>/.comfyui-current) on ``device`` with PyTorch SDPA; on CUDA
-    in high-VRAM mode, so the weights stay on the GPU between interleaved runs."""
+def has_flux(root: Path) -> bool:
+    return (root / "comfy" / "ldm" / "flux" / "model.py").is_file()
+
+
+def import_comfy(device: str, require_flux: bool = True) -> Path:
+    """ComfyUI's core modules (``$COMFYUI_PATH``, else <repo>/.comfyui-current) on ``device`` with PyTorch
+    SDPA; on CUDA in high-VRAM mode, so the weights stay on the GPU between interleaved runs. Imports
+    neither ComfyUI's nodes.py nor anything it pulls in (PyAV, the API nodes)."""
     root = Path(os.environ.get("COMFYUI_PATH") or REPO / ".comfyui-current").resolve()
-    if not (root / "comfy" / "ldm" / "flux" / "model.py").is_file():
-        raise SystemExit(f"no ComfyUI with Flux at {root}: set COMFYUI_PATH (tests/setup_current.sh makes one)")
+    if not (root / "comfy" / "model_management.py").is_file() or (require_flux and not has_flux(root)):
+        raise SystemExit(f"no ComfyUI{' with Flux' if require_flux else ''} at {root}: set COMFYUI_PATH "
+                         "(tests/setup_current.sh makes one)")
     if "comfy.model_management" in sys.modules:
         raise RuntimeError("ComfyUI was imported before import_comfy(): the device cannot be chosen")
     sys.path.insert(0, str(root))
@@ -69,39 +74,11 @@ def load_pack():
     return module
 
 
-def synchronise_clocks(runtime) -> None:
-    """Make the runtime's clocks (selection in ``plan``, merge/unmerge in ``timed``) include the GPU
-    work they launch: synchronise before each clocked part starts and before it stops."""
-    sync = torch.cuda.synchronize
-
-    def finishing(fn):
-        def call(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            sync()
-            return out
-        return call
-
-    plan, timed = runtime.plan, runtime.timed
-    runtime.method.plan = finishing(runtime.method.plan)
-
-    def synced_plan(*args, **kwargs):
-        sync()
-        return plan(*args, **kwargs)
-
-    def synced_timed(kind, fn, x):
-        sync()
-        return timed(kind, finishing(fn), x)
-
-    runtime.plan, runtime.timed = synced_plan, synced_timed
-
-
-def toma_variant(pack, model, ratio: float, window: int, reuse: int, device: str):
+def toma_variant(pack, model, ratio: float, window: int, reuse: int):
     """(patched clone, list that receives each run's summary)."""
     core, rt = pack.toma_core, pack.nodes.runtime
     method = rt.ToMAMethod(ratio, window, core.ReuseSchedule(0.0, 1.0, reuse, 1), core.DEFAULT_TAU, False)
     runtime = rt.MergeRuntime(method, model.get_model_object("model_sampling"), f"ToMA {ratio}")
-    if device == "cuda":
-        synchronise_clocks(runtime)
     summaries = []
     runtime.run_listeners.append(summaries.append)
     return pack.nodes.dit.patch_dit(model, runtime), summaries
@@ -215,7 +192,7 @@ def main(argv=None) -> None:
            "noise": torch.randn(1, 16, H, W, generator=torch.Generator().manual_seed(0))}
     variants = [("unpatched", model, None)]
     for ratio in args.ratios:
-        patched, summaries = toma_variant(pack, model, ratio, args.window, args.reuse, args.device)
+        patched, summaries = toma_variant(pack, model, ratio, args.window, args.reuse)
         variants.append((f"ToMA {ratio:g}", patched, summaries))
 
     steps = {name: [] for name, _, _ in variants}

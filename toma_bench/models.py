@@ -40,27 +40,31 @@ SDXL_SMALL = dict(SDXL_FULL, num_res_blocks=[1, 1, 1], transformer_depth=[0, 1, 
                   transformer_depth_output=[0, 0, 1, 1, 1, 1], transformer_depth_middle=1)
 
 
-def init_weights_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+def init_weights_(module: torch.nn.Module, seed: int, draw_device=None) -> torch.nn.Module:
     """PyTorch's default init for every parameter, from a seeded generator (ComfyUI creates its layers
-    uninitialised, trap T4)."""
-    g = torch.Generator().manual_seed(seed)
+    uninitialised, trap T4). The numbers are drawn on the CPU, the same on every machine, unless
+    ``draw_device`` names a faster place (a GPU draws FLUX.1-dev's 12B weights in seconds, a CPU core
+    takes minutes); the same seed then gives the same model on that kind of device."""
+    g = torch.Generator(draw_device or "cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() >= 2:
                 fan_in = p[0].numel()
                 bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) gives exactly this bound
-                p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
+                p.copy_(torch.empty(p.shape, device=g.device).uniform_(-bound, bound, generator=g))
             elif "norm" in name and name.endswith("weight"):
                 p.fill_(1.0)
             elif name.endswith("bias") and "norm" in name:
                 p.zero_()
             else:
-                p.copy_(torch.empty(p.shape).uniform_(-0.1, 0.1, generator=g))
+                p.copy_(torch.empty(p.shape, device=g.device).uniform_(-0.1, 0.1, generator=g))
     return module
 
 
-def build_unet(arch: str = "sd15", seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None):
-    """A ComfyUI ModelPatcher around a random-weight UNet: arch "sd15" or "sdxl" (config overrides)."""
+def build_unet(arch: str = "sd15", seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None,
+               draw_device=None):
+    """A ComfyUI ModelPatcher around a random-weight UNet: arch "sd15" or "sdxl" (config overrides);
+    ``draw_device``: see init_weights_."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.supported_models
@@ -70,7 +74,7 @@ def build_unet(arch: str = "sd15", seed: int = 0, dtype: torch.dtype = torch.flo
     cfg = cls(dict(config or default))
     cfg.set_inference_dtype(dtype, None)
     base = cfg.get_model({})
-    init_weights_(base, seed)
+    init_weights_(base, seed, draw_device)
     base.to(dtype)
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())
@@ -174,16 +178,18 @@ def _patcher(base):
                                             offload_device=mm.unet_offload_device())
 
 
-def build_flux(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+def build_flux(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None,
+               draw_device=None):
     """A ComfyUI ModelPatcher around a random-weight Flux (FLUX_TINY unless ``config``; FLUX_FULL is
     FLUX.1-dev). ``device``: where the weights are created (default CPU); weights are drawn on the CPU
-    from a seeded generator either way, so a model is the same on every device."""
+    from a seeded generator, so a model is the same on every device, unless ``draw_device`` says
+    otherwise (see init_weights_)."""
     import comfy.supported_models
 
     cfg = comfy.supported_models.Flux(dict(config or FLUX_TINY))
     cfg.set_inference_dtype(dtype, None)
     base = cfg.get_model({}, device=device)
-    init_weights_(base, seed)
+    init_weights_(base, seed, draw_device)
     _unit_norm_scales_(base)
     return _patcher(base.to(dtype))
 
