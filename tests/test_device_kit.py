@@ -1,0 +1,59 @@
+"""The GPU benchmark kit cannot rot: tests/device/prepare.sh builds .device/, and `bash .device/run.sh
+--dry-run` runs python -m toma_bench.gpu on the CPU at tiny sizes in a fresh virtual environment (torch and
+the GPU machine's packages from the package cache, everything else only from .device/ with --no-index).
+Where no ComfyUI mirror is at hand (CI) the kit packs the pinned tree, which has no Flux: Flux is then
+skipped with a note. Takes a few minutes (installing torch into the fresh venv is most of it).
+"""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.device
+
+SDXL_VARIANTS = 1 + 3 * 2 * 2 + 1  # unpatched, ToMA ratios x levels x scopes, ToMeSD
+FLUX_VARIANTS = 1 + 3 * 2  # unpatched, ToMA ratios x placements
+
+
+def run(command: list[str], env: dict, timeout: int) -> str:
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{output[-6000:]}"
+    return output
+
+
+def test_prepared_kit_runs_the_benchmark_dry_on_the_cpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PATH", "PYTHONPATH")}
+    prepared = run(["bash", "tests/device/prepare.sh"], env, 600)
+    kit = REPO / ".device"
+    size = sum(f.stat().st_size for f in kit.rglob("*") if f.is_file())
+    assert size <= 48 * 2**20, f".device/ holds {size / 2**20:.1f} MiB"
+    assert {p.name.split("-")[0] for p in (kit / "wheels").glob("*.whl")} == {"torchsde", "trampoline"}
+    code = kit / "comfyui"
+    assert (code / "comfy" / "sample.py").is_file()
+    assert not [p for p in code.rglob("*") if p.is_file() and p.suffix != ".py" and not p.name.startswith(".comfyui-")]
+    has_flux = (code / "comfy" / "ldm" / "flux" / "model.py").is_file()
+
+    output = run(["bash", ".device/run.sh", "--dry-run"], dict(env, OUT=str(tmp_path)), 1200)
+
+    results = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert results["meta"]["dry_run"] and results["meta"]["complete"], output[-3000:]
+    sdxl = results["models"]["sdxl"]["rows"]
+    assert len(sdxl) == SDXL_VARIANTS and all(r["runs"] >= 1 and r["step_ms"] > 0 for r in sdxl)
+    assert all(r["merged_tokens"] != "all" for r in sdxl[1:]), "a patched variant merged nothing"
+    assert all(r["merge_percent"] is not None for r in sdxl[1:])
+    counted = {s["variant"] for s in results["syncs"] if s["model"] == "sdxl"}
+    assert {"ToMA r=0.5 auto attention", "ToMeSD r=0.5 (1/2 level)"} <= counted
+    assert all(s["model_calls"] >= 2 for s in results["syncs"])
+    if has_flux:
+        flux = results["models"]["flux"]["rows"]
+        assert len(flux) == FLUX_VARIANTS and all(r["runs"] >= 1 for r in flux)
+        assert all(r["merged_tokens"] != "all" for r in flux[1:])
+    else:
+        assert "flux" not in results["models"]
+        assert any(n.startswith("flux skipped") for n in results["notes"]), prepared
+    markdown = (tmp_path / "gpu_bench.md").read_text()
+    assert "## sdxl" in markdown and "ToMA r=0.75 auto+next block" in markdown
