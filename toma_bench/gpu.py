@@ -22,7 +22,8 @@ steps (so the steps that select destinations are amortised), timed with CUDA eve
 call; ``speed-up`` is unpatched / variant; ``peak GiB`` is torch's peak allocated memory in the run;
 ``merge %`` is the share of the model-call time spent selecting destinations, merging and unmerging
 (the runtime's CUDA-event stage clocks). Sync counts come from one extra run of some variants under
-toma_bench.syncs.SyncCounter: the pack's calls that make the host wait for the GPU, per model call.
+toma_bench.syncs.SyncCounter: the pack's calls that make the host wait for the GPU (reads of device
+values, copies from the host), the most in one model call, and the copies among them over the run.
 
 ``--dry-run`` runs the same code on the CPU at tiny sizes (fp32), to check the kit without a GPU; its
 numbers mean nothing. Only ComfyUI's core sampling modules are imported, never its nodes.py (which pulls
@@ -222,11 +223,11 @@ class Results:
             lines.append("")
         if data["syncs"]:
             lines += ["## Host-device syncs (toma_bench.syncs, one run each)", "",
-                      "| model | variant | model calls | pack reads per model call (max) | pack copies to the device "
-                      "in model calls | pack sites |", "|---|---|---:|---:|---:|---|"]
+                      "| model | variant | model calls | pack host waits per model call (max) | of which copies to the "
+                      "device | pack sites |", "|---|---|---:|---:|---:|---|"]
             for s in data["syncs"]:
                 sites = "; ".join(f"{n}x {site}" for site, n in s["pack_sites"].items()) or "none"
-                lines.append(f"| {s['model']} | {s['variant']} | {s['model_calls']} | {s['max_reads_per_call']} | "
+                lines.append(f"| {s['model']} | {s['variant']} | {s['model_calls']} | {s['max_waits_per_call']} | "
                              f"{s['copies_in_calls']} | {sites} |")
             lines.append("")
         if data["notes"]:
@@ -332,10 +333,9 @@ def measure_model(name, scale, variants, pack, results: Results, cuda: bool, rep
                 clock.counter = None
                 clock.take_seconds()
             inside = [e for e in counter.pack_events() if e.model_call is not None]
-            reads = [e for e in inside if e.what == "read"]
             results.syncs.append({
                 "model": name, "variant": v.label, "model_calls": counter.model_calls,
-                "max_reads_per_call": max(counter.per_model_call(reads).values(), default=0),
+                "max_waits_per_call": max(counter.per_model_call(inside).values(), default=0),
                 "copies_in_calls": sum(e.what == "copy to device" for e in inside),
                 "pack_sites": dict(Counter(f"{e.what} {e.op} at {e.site}" for e in counter.pack_events()).most_common(6)),
                 "report": counter.report()})

@@ -19,7 +19,6 @@ frames of other code between, and no model module's forward. Calls inside the mo
 those of ComfyUI's sampler that a pack wrapper hands control to, are recorded as ``other``.
 """
 import sys
-import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +102,6 @@ class SyncCounter(TorchFunctionMode):
         self.events: list[SyncEvent] = []
         self.model_calls = 0
         self.current_call: int | None = None
-        self._busy = threading.local()
 
     # -- ComfyUI hook ----------------------------------------------------------------------------
     def model_wrapper(self, apply_model, args):
@@ -143,46 +141,41 @@ class SyncCounter(TorchFunctionMode):
         self.events.append(SyncEvent(what, op, site, via, pack, self.current_call))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # torch runs this with the mode switched off, so the tensor calls made here are not seen again
         kwargs = kwargs or {}
-        if getattr(self._busy, "on", False):
-            return func(*args, **kwargs)
-        self._busy.on = True
-        try:
-            name = getattr(func, "__name__", "")
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            if name in READS or name in DATA_SIZED:
-                if tensors and self.on_device(tensors[0]):
-                    self._record("read", name)
-            elif name in ("__getitem__", "__setitem__", "index_put_", "index_put") and len(args) > 1:
-                index = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
-                if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in index) \
-                        and tensors and self.on_device(tensors[0]):
-                    self._record("read", f"{name} with a boolean mask")
-            elif name in ("to", "cuda", "copy_"):
-                source = args[1] if name == "copy_" and len(args) > 1 else (args[0] if args else None)
-                target = self._target_device(name, args, kwargs)
-                if self.on_host(source) and target is not None and target.type == self.device.type:
-                    self._record("copy to device", name)
-                    if self.host_is_device:
-                        out = func(*args, **kwargs)
-                        if isinstance(out, torch.Tensor):
-                            setattr(out, HOST_TAG, False)
-                        return out
-                elif not self.host_is_device and self.on_device(source) and target is not None \
-                        and target.type == "cpu":
-                    self._record("read", name)
-            elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None \
-                    and torch.device(kwargs["device"]).type == self.device.type:
+        name = getattr(func, "__name__", "")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name in READS or name in DATA_SIZED:
+            if tensors and self.on_device(tensors[0]):
+                self._record("read", name)
+        elif name in ("__getitem__", "__setitem__", "index_put_", "index_put") and len(args) > 1:
+            index = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in index) \
+                    and tensors and self.on_device(tensors[0]):
+                self._record("read", f"{name} with a boolean mask")
+        elif name in ("to", "cuda", "copy_"):
+            source = args[1] if name == "copy_" and len(args) > 1 else (args[0] if args else None)
+            target = self._target_device(name, args, kwargs)
+            if self.on_host(source) and target is not None and target.type == self.device.type:
                 self._record("copy to device", name)
-            out = func(*args, **kwargs)
-            if self.host_is_device and isinstance(out, torch.Tensor):
-                if name in FACTORIES and kwargs.get("device") is None and (name not in LIKE or self.on_host(args[0])):
-                    setattr(out, HOST_TAG, True)
-                elif name not in FACTORIES and tensors and all(self.on_host(t) for t in tensors):
-                    setattr(out, HOST_TAG, True)
-            return out
-        finally:
-            self._busy.on = False
+                if self.host_is_device:
+                    out = func(*args, **kwargs)
+                    if isinstance(out, torch.Tensor):
+                        setattr(out, HOST_TAG, False)
+                    return out
+            elif not self.host_is_device and self.on_device(source) and target is not None \
+                    and target.type == "cpu":
+                self._record("read", name)
+        elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None \
+                and torch.device(kwargs["device"]).type == self.device.type:
+            self._record("copy to device", name)
+        out = func(*args, **kwargs)
+        if self.host_is_device and isinstance(out, torch.Tensor):
+            if name in FACTORIES and kwargs.get("device") is None and (name not in LIKE or self.on_host(args[0])):
+                setattr(out, HOST_TAG, True)
+            elif name not in FACTORIES and tensors and all(self.on_host(t) for t in tensors):
+                setattr(out, HOST_TAG, True)
+        return out
 
     # -- results -------------------------------------------------------------------------------------
     def pack_events(self) -> list[SyncEvent]:
