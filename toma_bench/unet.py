@@ -319,7 +319,7 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
         for i, model in enumerate(models):  # a runtime's seconds cover its current run: this repeat
             runtime = runtime_of(model)
             if runtime is not None:
-                shares[i][rep] = {k: v / wall[i][rep] for k, v in runtime.seconds.items()}
+                shares[i][rep] = {k: v / wall[i][rep] for k, v in runtime.stage_clock.seconds().items()}
         progress(f"  {job.arch} timing repeat {rep + 1}/{repeats}: {time.perf_counter() - start:.0f} s "
                  f"(unpatched {1000 * wall[0][rep] / job.steps:.0f} ms/step)")
     rows = []
