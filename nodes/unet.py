@@ -140,6 +140,12 @@ class UNetPatch:
 
     # scope "attention" -------------------------------------------------------------------------
     def observe(self, n, context_attn1, value_attn1, extra_options):
+        if self.current is not None:  # the last block called no attn1.forward: another node replaced it
+            options, arrived = self.current
+            grid = token_grid(arrived[1], options)
+            if grid is not None and grid[2] in self.levels:
+                self.runtime.notice("%s leaves level %s unmerged in the blocks whose self-attention another "
+                                    "node replaced (SAG, PAG)", self.runtime.name, f"{grid[0]}x{grid[1]} (1/{grid[2]})")
         self.current = (extra_options, tuple(n.shape[:2]))
         return n, context_attn1, value_attn1
 
