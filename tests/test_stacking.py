@@ -39,7 +39,10 @@ def run_node(name, **inputs):
     for key, spec in cls.INPUT_TYPES().get("required", {}).items():
         if key not in inputs:
             options = spec[1] if len(spec) > 1 else {}
-            inputs[key] = options["default"] if "default" in options else spec[0][0]
+            if "default" in options:
+                inputs[key] = options["default"]
+            else:  # a combo: its first choice (V3 nodes list them under "options")
+                inputs[key] = (spec[0] if isinstance(spec[0], (list, tuple)) else options["options"])[0]
     if hasattr(cls, "define_schema"):
         out = cls.execute(**inputs)
         return out.args[0] if hasattr(out, "args") else out[0]
@@ -100,7 +103,7 @@ OTHERS = {
                                       end_percent=0.6), {}, False),
     "ModelSamplingDiscrete": (lambda m: run_node("ModelSamplingDiscrete", model=m, sampling="v_prediction",
                                                  zsnr=True), {}, False),
-    "EasyCache": (lambda m: run_node("EasyCacheNode", model=m, reuse_threshold=0.2, start_percent=0.0,
+    "EasyCache": (lambda m: run_node("EasyCache", model=m, reuse_threshold=0.2, start_percent=0.0,
                                      end_percent=1.0), {"steps": 4}, False),
     "LoRA": (lora, {}, False),
 }
@@ -155,6 +158,14 @@ def test_two_toma_nodes_the_one_nearer_the_sampler_wins_where_both_merge(pack, u
     assert set(merged_levels(pack, outer)) == {"16x16 (1/1)"}
     assert merged_levels(pack, outer)["16x16 (1/1)"]["merged_tokens"] == 192  # 0.25 of 256 merged away
     assert set(merged_levels(pack, inner)) == {"8x8 (1/2)"}  # the inner node keeps the level left to it
+    # the merge map of the stack shows both: 1/1 from the outer node, 1/2 from the inner one
+    merge_map = pack.NODE_CLASS_MAPPINGS["ToMAMergeMap"]()
+    latent = {"samples": torch.zeros(1, 4, *SHAPE[1:])}
+    for level in (0, 1):
+        (picture,) = merge_map.draw(outer, latent, level=level)
+        assert picture.shape == (1, 8 * SHAPE[1], 8 * SHAPE[2], 3)
+    with pytest.raises(ValueError, match=r"1 = 8x8 \(1/2\)"):
+        merge_map.draw(outer, latent, level=2)
 
 
 @pytest.mark.parametrize("scope", ["attention", "block"])
