@@ -1,4 +1,4 @@
-"""The registry package, as comfy-cli builds and checks it: ``comfy node validate`` passes with the
+"""The registry package, as comfy-cli builds and checks it, and the help pages it ships: ``comfy node validate`` passes with the
 metadata the registry shows (issues URL, icon, supported ComfyUI versions), and the zip of
 ``comfy node pack`` holds what runs the nodes and none of the development files (.comfyignore).
 
@@ -19,8 +19,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("comfy_cli") is None,
-                                reason="comfy-cli is not installed (tests/requirements-host.txt lists it)")
+needs_comfy_cli = pytest.mark.skipif(importlib.util.find_spec("comfy_cli") is None,
+                                     reason="comfy-cli is not installed (tests/requirements-host.txt lists it)")
 
 # What a user's ComfyUI needs from the zip: the package, its front-end files and the example workflows.
 SHIPPED_DIRS = ("nodes", "toma_core", "web/js", "web/docs", "workflows")
@@ -64,6 +64,7 @@ def comfy_cli(checkout: Path, *args: str, code: str | None = None) -> subprocess
                           stdin=subprocess.DEVNULL)
 
 
+@needs_comfy_cli
 def test_comfy_node_validate_passes_with_the_registry_metadata(checkout):
     validate = comfy_cli(checkout, "node", "validate")
     fields = comfy_cli(checkout, code=REGISTRY_FIELDS)
@@ -96,6 +97,7 @@ def missing_imports(names: set[str], root: Path) -> list[str]:
     return problems
 
 
+@needs_comfy_cli
 def test_comfy_node_pack_ships_the_nodes_and_no_development_files(checkout):
     packed = comfy_cli(checkout, "node", "pack")
     assert packed.returncode == 0, packed.stdout + packed.stderr
@@ -110,3 +112,14 @@ def test_comfy_node_pack_ships_the_nodes_and_no_development_files(checkout):
     assert not {".comfyignore", ".gitignore", "pytest.ini", "toma_core/bench.py"} & names
     assert missing_imports(names, checkout) == []
     assert any(name.startswith("web/docs/") and name.endswith("/en.md") for name in names)
+
+
+def test_each_node_has_an_english_help_page_and_its_fallback(pack):
+    """The front end asks for docs/<node>/<locale>.md first, then docs/<node>.md: English is the first,
+    and the same page is the fallback for the other locales."""
+    docs = REPO / "web" / "docs"
+    for node in pack.NODE_CLASS_MAPPINGS:
+        english = (docs / node / "en.md").read_text()
+        assert english.startswith("# "), node
+        assert (docs / f"{node}.md").read_text() == english, f"docs/{node}.md differs from docs/{node}/en.md"
+    assert sorted(p.name for p in docs.iterdir() if p.is_dir()) == sorted(pack.NODE_CLASS_MAPPINGS)
