@@ -350,7 +350,7 @@ def test_help_page_of_each_node_opens_without_errors(pack, browser, front_end):
     shown = {}
     try:
         for node in sorted(pack.NODE_CLASS_MAPPINGS):
-            title = (comfy_host.REPO / "web" / "docs" / node / "en.md").read_text().splitlines()[0][2:]
+            title = (comfy_host.REPO / "web" / "docs" / f"{node}.md").read_text().splitlines()[0][2:]
             page.evaluate(OPEN_HELP, node)
             page.wait_for_function("(title) => [...document.querySelectorAll('h1')].some((h) => h.innerText === title)",
                                    arg=title, timeout=30_000)

@@ -105,7 +105,7 @@ function showInDom(node, lines) {
 
 function showStats(node, lines, text) {
   node.tomaStats = lines;
-  node.tomaStatsText = text;
+  node.tomaProgressText = text;
   if (progressTextShown(node)) {
     node.tomaStatsNative = true;
     if (!domNode(node)) fitProgressText(node, lines);
@@ -123,7 +123,7 @@ function restoreProgressText() {
   setTimeout(() => {
     for (const node of app.graph?._nodes ?? []) {
       if (node.tomaStatsNative && !progressTextShown(node)) {
-        api.dispatchCustomEvent("progress_text", { nodeId: String(node.id), text: node.tomaStatsText });
+        api.dispatchCustomEvent("progress_text", { nodeId: String(node.id), text: node.tomaProgressText });
         if (domNode(node)) setTimeout(() => showInDom(node, node.tomaStats), DOM_CHECK_DELAY_MS);
       }
     }
