@@ -1,6 +1,8 @@
-"""The registry package, as comfy-cli builds and checks it, and the help pages it ships: ``comfy node validate`` passes with the
-metadata the registry shows (issues URL, icon, supported ComfyUI versions), and the zip of
-``comfy node pack`` holds what runs the nodes and none of the development files (.comfyignore).
+"""The registry package, as comfy-cli builds and checks it, and the help pages it ships.
+
+``comfy node validate`` passes with the metadata the registry shows (issues URL, icon, supported ComfyUI
+versions), and the zip of ``comfy node pack`` holds what runs the nodes and none of the development files
+(.comfyignore).
 
 comfy-cli runs offline here, with its telemetry off and its config in a temporary home. It packs a copy
 of the working tree (tracked files plus untracked ones git does not ignore), so uncommitted changes count.
