@@ -118,7 +118,8 @@ MISSING_MODELS_OFFERED = f"""
   for (const dialog of document.querySelectorAll('.p-dialog')) {{
     for (const item of dialog.querySelectorAll('.p-listbox-option, li')) {{
       const match = item.innerText.match(/[\\w.-]+ \\/ ([\\w.-]+\\.safetensors)/);
-      if (match) offered[match[1]] = /not allowed|Invalid directory|Only allowed/.test(item.innerText) ? item.innerText : "";
+      const refused = /not allowed|Invalid directory|Only allowed/.test(item.innerText);
+      if (match) offered[match[1]] = refused ? item.innerText : "";
     }}
   }}
   const store = {PINIA}?._s.get('missingModel');
