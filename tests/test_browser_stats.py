@@ -320,6 +320,30 @@ def test_text_widgets_show_label_and_value_at_default_width(browser, front_end):
     assert ours(problems) == [], "\n".join(problems)
 
 
+NEW_NODE_WIDGETS = """
+(type) => {
+  const node = LiteGraph.createNode(type);
+  window.app.graph.add(node);
+  return Object.fromEntries(node.widgets.map((w) => [w.name, w.value]));
+}
+"""
+
+
+def test_new_baseline_nodes_keep_their_seed(browser, front_end):
+    """ToMeSD's and CA-ToMe's seed places each cell's destination: the control both front ends add to an
+    INT named seed must start at "fixed" on a new node, or a comparison changes after every run."""
+    name, client = front_end
+    page, problems = open_front_end(browser, client)
+    try:
+        widgets = {node: page.evaluate(NEW_NODE_WIDGETS, node) for node in ("ToMeSDPatchModel", "CAToMePatchModel")}
+    finally:
+        page.close()
+
+    for node, values in widgets.items():
+        assert values.get("control_after_generate") == "fixed", (name, node, values)
+    assert ours(problems) == [], "\n".join(problems)
+
+
 def test_nodes_2_shows_live_stats(browser, front_end):
     name, client = front_end
     if not comfy_host.is_current_comfy():
