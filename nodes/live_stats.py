@@ -1,7 +1,7 @@
 """Live stats: after each sampling run, a token merge node shows on the canvas what merging did.
 
-The runtime calls its run listeners with ``MergeRuntime.summary()`` when a run ends (CUR: the
-OUTER_SAMPLE wrapper; older ComfyUI: ``process_latent_out``, see ``unet.install_run_hooks``). The
+The runtime calls its run listeners with ``MergeRuntime.summary()`` when a run ends (current ComfyUI: the
+OUTER_SAMPLE wrapper; older ComfyUI: ``process_latent_out``, see ``host.install_run_hooks``). The
 listener made here sends the lines twice, to the client that queued the prompt:
 
 - as the node's progress text (``PromptServer.send_progress_text``, current ComfyUI), which current

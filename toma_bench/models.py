@@ -42,7 +42,7 @@ SDXL_SMALL = dict(SDXL_FULL, num_res_blocks=[1, 1, 1], transformer_depth=[0, 1, 
 
 def init_weights_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     """PyTorch's default init for every parameter, from a seeded generator (ComfyUI creates its layers
-    uninitialised, trap T4)."""
+    uninitialised: docs/architecture.md, pitfalls)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
