@@ -194,15 +194,16 @@ class MergeRuntime:
             except Exception:  # a stats listener must never break sampling
                 log.exception("ToMA: stats listener failed")
 
-    def outer_sample_wrapper(self, executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
-        """Current ComfyUI's OUTER_SAMPLE wrapper: a clean slate for every sampling run, with the run's
-        sigmas and the sampled model's noise schedule; stats at its end."""
-        guider = getattr(executor, "class_obj", None)
-        patcher = getattr(guider, "model_patcher", None)
+    def outer_sample_wrapper(self, executor, *args, **kwargs):
+        """Current ComfyUI's OUTER_SAMPLE wrapper, around ``CFGGuider.outer_sample(noise, latent_image,
+        sampler, sigmas, ...)``: a clean slate for every sampling run, with the run's sigmas and the
+        sampled model's noise schedule; stats at its end."""
+        sigmas = kwargs.get("sigmas", args[3] if len(args) > 3 else None)
+        patcher = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
         model_sampling = patcher.get_model_object("model_sampling") if patcher is not None else None
-        self.begin_run([float(s) for s in sigmas.tolist()], model_sampling)
+        self.begin_run(None if sigmas is None else [float(s) for s in sigmas.tolist()], model_sampling)
         try:
-            return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+            return executor(*args, **kwargs)
         finally:
             self.end_run()
 
