@@ -43,13 +43,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .runtime import MergeRuntime, ToMAMethod
-from .unet import batch_key, install_run_hooks
+from .host import WRAPPER_KEY, install_run_hooks
+from .runtime import MergeRuntime, ToMAMethod, batch_key
 
 log = logging.getLogger("ComfyUI-ToMA")
 
 LAYOUT_KEY = "comfyui_toma_image_layout"  # transformer_options key, set and removed by the wrapper
-WRAPPER_KEY = "comfyui_toma"
 # Fraction of each block group never merged: the paper's 5 of Flux's 19 double and 38 single blocks.
 SKIP_FRACTION = {"double": 5 / 19, "single": 5 / 38}
 

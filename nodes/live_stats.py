@@ -1,9 +1,14 @@
 """Live stats: after each sampling run, a token merge node shows on the canvas what merging did.
 
-The runtime calls its run listeners with ``MergeRuntime.summary()`` when a run ends (CUR: the
-OUTER_SAMPLE wrapper; older ComfyUI: ``process_latent_out``, see ``unet.install_run_hooks``). The
-listener made here sends a ``comfyui_toma.stats`` websocket message to the front end, where
-``web/js/toma_stats.js`` draws the lines under the node whose id it carries.
+The runtime calls its run listeners with ``MergeRuntime.summary()`` when a run ends (current ComfyUI: the
+OUTER_SAMPLE wrapper; older ComfyUI: ``process_latent_out``, see ``host.install_run_hooks``). The
+listener made here sends the lines twice, to the client that queued the prompt:
+
+- as the node's progress text (``PromptServer.send_progress_text``, current ComfyUI), which current
+  front ends render themselves, in the classic canvas and in Nodes 2.0 alike;
+- as a ``comfyui_toma.stats`` websocket message {node, text, lines, summary}, which
+  ``web/js/toma_stats.js`` turns into the same text where the front end shows no progress text (the
+  front end of the March-2024 server, which lacks it, and front ends that clear it when the prompt ends).
 """
 import logging
 import sys
@@ -81,6 +86,12 @@ def stats_lines(summary: dict) -> list[str]:
     return lines
 
 
+def progress_text(lines: list[str]) -> str:
+    """The lines as one progress text: Nodes 2.0 renders it as Markdown, where a line break needs two
+    trailing spaces; the classic canvas shows it as plain text, where the spaces do not show."""
+    return "  \n".join(lines)
+
+
 def prompt_server():
     """ComfyUI's running PromptServer, or None (tests in-process, scripts): feature-detected, never
     imported, so nothing is started as a side effect."""
@@ -97,7 +108,10 @@ def stats_sender(unique_id):
         if instance is None:
             return
         lines = stats_lines(summary)
+        client = getattr(instance, "client_id", None)
+        if hasattr(instance, "send_progress_text"):
+            instance.send_progress_text(progress_text(lines), str(unique_id), client)
         message = {"node": str(unique_id), "text": "\n".join(lines), "lines": lines, "summary": summary}
-        instance.send_sync(EVENT, message, getattr(instance, "client_id", None))
+        instance.send_sync(EVENT, message, client)
 
     return send

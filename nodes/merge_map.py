@@ -7,11 +7,12 @@ the plans while sampling (see ``plan_records``), and the node reads them through
 patch node stored in the MODEL.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .plan_records import PlanRecord, runtime_of
+from .plan_records import PlanRecord, runtimes_of
 from .toma_nodes import CATEGORY, check_range
 
 PIXELS_PER_LATENT = 8  # the map has the size of the decoded image of the latent
@@ -76,6 +77,26 @@ def render_record(record: PlanRecord, height: int, width: int, image: torch.Tens
         border = window_borders(rows, record.cell[0])[:, None] | window_borders(cols, record.cell[1])[None, :]
         picture[border] = BORDER
     return picture
+
+
+@dataclass
+class StackPlans:
+    """The recorded plans of a stack of token merge nodes: each level from the node nearest the sampler
+    that merged it (nodes further away leave such levels alone)."""
+
+    records: dict
+    levels: dict
+
+    @classmethod
+    def of(cls, runtimes) -> "StackPlans":
+        records, levels = {}, {}
+        for runtime in runtimes:
+            for name, found in runtime.records.items():
+                if found and name not in records:
+                    records[name] = found
+                    if name in runtime.levels:
+                        levels[name] = runtime.levels[name]
+        return cls(records, levels)
 
 
 def level_names(runtime) -> list[str]:
@@ -176,7 +197,7 @@ class ToMAMergeMap:
         check_range("level", level, 0, 15)
         check_range("step", step, -1, 10000)
         check_range("opacity", opacity, 0.0, 1.0)
-        runtime = runtime_of(model)
+        runtime = StackPlans.of(runtimes_of(model))
         h, w = latent_size(latent)
         name, record = choose_record(runtime, level, step)
         check_grid_matches(record, name, h, w)

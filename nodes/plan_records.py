@@ -103,21 +103,40 @@ def record_plan(plan, step: int, hw: tuple[int, int], method=None) -> PlanRecord
 
 
 # -- MODEL -> runtime ---------------------------------------------------------------------------
+STACK_KEY = "comfyui_toma_stack"  # ids of every token merge node's runtime on this MODEL, in patch order
+
+
 def attach_runtime(model, runtime) -> str:
     """Register ``runtime`` and write its id into the patched ``model``'s transformer_options."""
     runtime_id = f"{runtime.name}-{uuid.uuid4().hex}"
     RUNTIMES[runtime_id] = runtime
-    model.model_options.setdefault("transformer_options", {})[OPTIONS_KEY] = runtime_id
+    options = model.model_options.setdefault("transformer_options", {})
+    options[OPTIONS_KEY] = runtime_id
+    options[STACK_KEY] = list(options.get(STACK_KEY, ())) + [runtime_id]
     return runtime_id
 
 
+NOT_PATCHED = ("model: this MODEL was not patched by a ToMA, ToMeSD or CA-ToMe node of this pack (or it was "
+               "patched with ratio 0, or the model family is not supported), so there are no merge plans to "
+               "show; connect the MODEL output of the token merge node")
+
+
 def runtime_of(model):
-    """The runtime a ToMA/ToMeSD/CA-ToMe node attached to ``model`` (or to a model it was cloned from)."""
+    """The runtime of the token merge node nearest the sampler on ``model`` (or on a model it was cloned
+    from)."""
     options = getattr(model, "model_options", None) or {}
     runtime_id = options.get("transformer_options", {}).get(OPTIONS_KEY)
     runtime = RUNTIMES.get(runtime_id) if runtime_id is not None else None
     if runtime is None:
-        raise ValueError("model: this MODEL was not patched by a ToMA, ToMeSD or CA-ToMe node of this pack "
-                         "(or it was patched with ratio 0, or the model family is not supported), so there "
-                         "are no merge plans to show; connect the MODEL output of the token merge node")
+        raise ValueError(NOT_PATCHED)
     return runtime
+
+
+def runtimes_of(model) -> list:
+    """The runtimes of every token merge node on ``model``, the one nearest the sampler first."""
+    options = (getattr(model, "model_options", None) or {}).get("transformer_options", {})
+    runtimes = [RUNTIMES.get(i) for i in reversed(options.get(STACK_KEY, ()))]
+    runtimes = [r for r in runtimes if r is not None]
+    if not runtimes:
+        raise ValueError(NOT_PATCHED)
+    return runtimes

@@ -1,8 +1,14 @@
 """Per-patched-model state while sampling: which step we are at, which plans are cached, what it cost.
 
 One ``MergeRuntime`` lives in the closures of one patched MODEL (closures are shared, not deep-copied,
-when ComfyUI clones a patcher). It never holds on to anything across sampling runs: a run start (seen
-through a sampler wrapper where the host has one, or a rising sigma otherwise) clears every cache.
+when ComfyUI clones a patcher). It never holds on to anything across sampling runs: the run-start hook
+the adapter installs (``install_run_hooks``) calls ``begin_run``, which clears every cache and takes the
+run's sigma schedule and noise schedule (``model_sampling``) from the model being sampled. A model call
+outside any hooked run (a host without run hooks) starts a run of its own.
+
+Host syncs: the step is read once per model call (one ``float`` of the call's sigma tensor, cached by the
+tensor's identity for the block calls that follow); the schedule's sigmas and their progress are read
+once per run.
 """
 import logging
 import time
@@ -10,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..toma_core import CATOME_CONFIG3, ReuseSchedule, SigmaClock, catome_checkpoints, catome_plan, plan_tiles, tomesd_plan
+from ..toma_core import CATOME_CONFIG3, ReuseSchedule, RunClock, catome_checkpoints, catome_plan, plan_tiles, tomesd_plan
 from .live_stats import StageClock
 from .plan_records import record_plan
 
@@ -28,6 +34,12 @@ def progress_of_sigma(model_sampling, sigma: float) -> float:
         else:
             hi = mid
     return 0.5 * (lo + hi)
+
+
+def batch_key(x, transformer_options):
+    """The batch layout of a block call, part of every plan key: plans are never shared between calls
+    with other rows (cond and uncond batched together, or split when memory is short)."""
+    return (x.shape[0], tuple(transformer_options.get("cond_or_uncond") or ()))
 
 
 @dataclass
@@ -118,9 +130,9 @@ class MergeRuntime:
 
     def __init__(self, method, model_sampling, name: str):
         self.method = method
-        self.model_sampling = model_sampling
+        self.model_sampling = model_sampling  # the patch-time schedule, for runs no hook announced
         self.name = name
-        self.clock = SigmaClock()
+        self.clock = RunClock()
         self.plans: dict = {}
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
@@ -128,28 +140,50 @@ class MergeRuntime:
         self.records: dict[str, list] = {}  # level name -> PlanRecords of this run, in step order
         self.run_started = None
         self.run_listeners = []
+        self.notices: set = set()  # messages already logged (once per patched model)
+        self._in_run = False  # begin_run seen, end_run not yet
         self._unreported = False  # the model ran since the last end_run
-        self._progress_cache = (None, 0.0)
+        self._run_sampling = None  # model_sampling of the current run
+        self._progress: dict = {}  # sigma -> progress, for this run
+        self._located = (None, None)  # (sigma tensor of the last model call, its (step, progress, total))
 
     def __deepcopy__(self, memo):
-        # ComfyUI deep-copies model_options (and the bound patch methods in it) on every clone (trap T6);
-        # all clones of a patched model must share one runtime, or resets and stats reach a stale copy.
+        # ComfyUI deep-copies model_options (and the bound patch methods in it) on every clone
+        # (docs/architecture.md, "patches are deep-copied"); all clones of a patched model must share one
+        # runtime, or resets and stats reach a stale copy.
         return self
 
+    def notice(self, message: str, *args) -> None:
+        """Log ``message`` once per patched model (a block call repeats it every step otherwise)."""
+        if message in self.notices:
+            return
+        self.notices.add(message)
+        log.warning("ToMA: " + message, *args)
+
     # -- run boundaries -------------------------------------------------------------------------
-    def reset(self):
+    def begin_run(self, schedule=None, model_sampling=None):
+        """A clean slate for a sampling run. ``schedule``: the run's sigmas (steps+1 floats) where the
+        host hands them over; ``model_sampling``: the noise schedule of the model being sampled (model
+        sampling nodes may sit before or after the merge node), else the patch-time one."""
         self.plans.clear()
         self.failed.clear()
         self.levels.clear()
         self.records.clear()
         self.stage_clock.reset()
-        self.clock.reset()
         getattr(self.method, "schedule", None) and self.method.schedule.reset()
         hasattr(self.method, "reset") and self.method.reset()
+        self.clock.begin(schedule)
+        self._run_sampling = model_sampling if model_sampling is not None else self.model_sampling
+        self._progress = {}
+        if schedule is not None:  # read once per run, not per model call
+            self._progress = {s: progress_of_sigma(self._run_sampling, s) for s in self.clock.schedule}
+        self._located = (None, None)
+        self._in_run = True
         self.run_started = time.perf_counter()
 
     def end_run(self):
         """Report the run to the listeners, once (some samplers signal the end twice)."""
+        self._in_run = False
         if not self._unreported:
             return
         self._unreported = False
@@ -162,8 +196,13 @@ class MergeRuntime:
                 log.exception("ToMA: stats listener failed")
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
-        """CUR's OUTER_SAMPLE wrapper: a clean slate for every sampling run, stats at its end."""
-        self.reset()
+        """Current ComfyUI's OUTER_SAMPLE wrapper, around ``CFGGuider.outer_sample(noise, latent_image,
+        sampler, sigmas, ...)``: a clean slate for every sampling run, with the run's sigmas and the
+        sampled model's noise schedule; stats at its end."""
+        sigmas = kwargs.get("sigmas", args[3] if len(args) > 3 else None)
+        patcher = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
+        model_sampling = patcher.get_model_object("model_sampling") if patcher is not None else None
+        self.begin_run(None if sigmas is None else [float(s) for s in sigmas.tolist()], model_sampling)
         try:
             return executor(*args, **kwargs)
         finally:
@@ -175,18 +214,23 @@ class MergeRuntime:
         sigmas = transformer_options.get("sigmas")
         if sigmas is None:
             return None
+        if sigmas is self._located[0]:  # a later block of the same model call
+            return self._located[1]
         self._unreported = True
+        if not self._in_run:
+            schedule = transformer_options.get("sample_sigmas")
+            self.begin_run(None if schedule is None else schedule.tolist())
         sigma = float(sigmas.flatten()[0])
-        schedule = transformer_options.get("sample_sigmas")
-        step, total, new_run = self.clock.observe(sigma, None if schedule is None else schedule.tolist())
-        if new_run and (self.plans or self.levels):
-            self.reset()
-            self.clock.observe(sigma, None if schedule is None else schedule.tolist())
-        if self.run_started is None:
-            self.run_started = time.perf_counter()
-        if self._progress_cache[0] != sigma:
-            self._progress_cache = (sigma, progress_of_sigma(self.model_sampling, sigma))
-        return step, self._progress_cache[1], total
+        step = self.clock.step(sigma)
+        if self.clock.schedule is not None:
+            progress = self._progress[self.clock.schedule[step]]
+        else:
+            progress = self._progress.get(sigma)
+            if progress is None:
+                progress = self._progress[sigma] = progress_of_sigma(self._run_sampling, sigma)
+        where = (step, progress, self.clock.total)
+        self._located = (sigmas, where)
+        return where
 
     # -- plans --------------------------------------------------------------------------------
     def plan(self, key, features, hw, transformer_options, level_name: str):

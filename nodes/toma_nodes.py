@@ -35,6 +35,24 @@ def check_choice(name: str, value, choices):
     return value
 
 
+def check_inputs(node_class, **values) -> None:
+    """Check ``values`` against the node's own ``INPUT_TYPES()``: numbers inside [min, max], INT inputs
+    whole numbers (a fractional value can come through the API or a script), combos among their choices.
+    Errors name the input and what it allows."""
+    spec = {**node_class.INPUT_TYPES().get("required", {}), **node_class.INPUT_TYPES().get("optional", {})}
+    for name, value in values.items():
+        kind, options = spec[name][0], (spec[name][1] if len(spec[name]) > 1 else {})
+        if isinstance(kind, (list, tuple)):
+            check_choice(name, value, kind)
+        elif kind in ("INT", "FLOAT"):
+            whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind == "INT" and not whole):
+                what = "an integer" if kind == "INT" else "a number"
+                raise ValueError(f"{name} must be {what} between {options['min']} and {options['max']}, "
+                                 f"got {value!r}")
+            check_range(name, value, options["min"], options["max"])
+
+
 def model_sampling_of(model):
     """The model's noise schedule; None for a model without one (not a diffusion model: unsupported)."""
     try:
@@ -153,15 +171,11 @@ class ToMAPatchModelAdvanced:
     def patch(self, model, ratio, window_size, reuse_interval, scope="attention", levels="auto",
               weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
               unique_id=None):
-        check_range("ratio", ratio, 0.0, 0.9)
-        check_range("window_size", window_size, 1, 32)
-        check_range("reuse_interval", reuse_interval, 1, 100)
-        check_range("weights_interval", weights_interval, 1, 100)
-        check_range("start_percent", start_percent, 0.0, 1.0)
-        check_range("end_percent", end_percent, 0.0, 1.0)
-        check_range("tau", tau, 1.0, 10000.0)
+        check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,
+                     scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
+                     end_percent=end_percent, tau=tau)
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval)
-        method = None if ratio == 0 else ToMAMethod(ratio, window_size, schedule, tau, exact_unmerge)
+        method = None if ratio == 0 else ToMAMethod(ratio, int(window_size), schedule, tau, exact_unmerge)
         return (apply_method(model, method, "ToMA", levels, scope, unique_id),)
 
 
@@ -197,12 +211,8 @@ class ToMeSDPatchModel:
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def patch(self, model, ratio, max_downsample=1, sx=2, sy=2, seed=0, unique_id=None):
-        check_range("ratio", ratio, 0.0, 0.75)
-        check_choice("max_downsample", max_downsample, MAX_DOWNSAMPLE_CHOICES)
-        check_range("sx", sx, 1, 8)
-        check_range("sy", sy, 1, 8)
-        check_range("seed", seed, 0, SEED_MAX)
-        method = None if ratio == 0 else ToMeSDMethod(ratio, sx, sy, seed)
+        check_inputs(ToMeSDPatchModel, ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy, seed=seed)
+        method = None if ratio == 0 else ToMeSDMethod(ratio, int(sx), int(sy), int(seed))
         return (apply_method(model, method, "ToMeSD", _downsample_levels(max_downsample), unique_id=unique_id),)
 
 
@@ -237,12 +247,8 @@ class CAToMePatchModel:
 
     def patch(self, model, threshold, checkpoints=",".join(map(str, CATOME_CONFIG3)), max_downsample=1, sx=2,
               sy=2, seed=0, unique_id=None):
-        check_range("threshold", threshold, -1.0, 1.0)
-        check_choice("max_downsample", max_downsample, MAX_DOWNSAMPLE_CHOICES)
-        check_range("sx", sx, 1, 8)
-        check_range("sy", sy, 1, 8)
-        check_range("seed", seed, 0, SEED_MAX)
-        method = CAToMeMethod(threshold, sx, sy, seed, parse_checkpoints(checkpoints))
+        check_inputs(CAToMePatchModel, threshold=threshold, max_downsample=max_downsample, sx=sx, sy=sy, seed=seed)
+        method = CAToMeMethod(threshold, int(sx), int(sy), int(seed), parse_checkpoints(checkpoints))
         return (apply_method(model, method, "CA-ToMe", _downsample_levels(max_downsample), unique_id=unique_id),)
 
 

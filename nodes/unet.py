@@ -1,17 +1,20 @@
 """Adapter for UNet models (SD1.x, SD2.x, SDXL and relatives): patches through ComfyUI's ModelPatcher.
 
-scope "attention": ``attn1_patch`` merges the self-attention input (q, k and v come from the merged tokens)
-and ``attn1_output_patch`` unmerges after the output projection (rows of U sum to 1, so unmerging commutes
-with that linear layer and we do the cheap side).
-scope "block": each BasicTransformerBlock's ``forward`` is object-patched (the module itself is untouched,
-so LoRA keys stay valid): self-attention, cross-attention and feed-forward all run on merged tokens, and
-the block's update is unmerged onto the full-resolution residual stream.
+scope "attention": each block's self-attention module has its ``forward`` object-patched: it merges its
+input (q, k and v come from the merged tokens) and unmerges after the output projection (rows of U sum
+to 1, so unmerging commutes with that linear layer and we do the cheap side). An ``attn1_patch`` put
+first in the list tells it which block call it serves (see ``UNetPatch``).
+scope "block": each BasicTransformerBlock's ``forward`` is object-patched: self-attention,
+cross-attention and feed-forward all run on merged tokens, and the block's update is unmerged onto the
+full-resolution residual stream.
+Object patches of a module's ``forward`` leave the module itself untouched, so LoRA keys stay valid.
 """
 import logging
 import math
 import types
 
-from .runtime import MergeRuntime
+from .host import install_run_hooks, original_attr
+from .runtime import MergeRuntime, batch_key
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -32,13 +35,13 @@ def attention_levels(diffusion_model) -> list[int]:
     from comfy.ldm.modules.diffusionmodules.openaimodel import Downsample
 
     levels, ds = set(), 1
-    for block in getattr(diffusion_model, "input_blocks", []):
+    for block in getattr(diffusion_model, "input_blocks", None) or []:
         for layer in block:
             if isinstance(layer, Downsample):
                 ds *= 2
             elif isinstance(layer, SpatialTransformer):
                 levels.add(ds)
-    if any(isinstance(layer, SpatialTransformer) for layer in getattr(diffusion_model, "middle_block", [])):
+    if any(isinstance(layer, SpatialTransformer) for layer in getattr(diffusion_model, "middle_block", None) or []):
         levels.add(ds)
     return sorted(levels)
 
@@ -58,16 +61,17 @@ def resolve_levels(choice: str, available: list[int]) -> frozenset[int]:
 
 
 def token_grid(n_tokens: int, transformer_options) -> tuple[int, int, int] | None:
-    """(h, w, downsample) of the token grid of this block call. ComfyUI >= 2025-04 gives the exact shape
-    (``activations_shape``); older ComfyUI gives only the latent shape, from which the grid is derived the
-    way ToMe does (Downsample is a stride-2 conv with padding 1, so sizes round up)."""
+    """(h, w, downsample) of the token grid of this block call, or None when ``n_tokens`` tokens are not
+    the grid of a UNet level. Current ComfyUI gives the exact shape (``activations_shape``) and nothing
+    else is guessed where it does; the March-2024 tree gives only the latent shape, from which the grid
+    is derived the way ToMe does (Downsample is a stride-2 conv with padding 1, so sizes round up)."""
     shape = transformer_options.get("activations_shape")
     latent = transformer_options.get("original_shape")
-    if shape is not None and shape[-2] * shape[-1] == n_tokens and latent is not None:
-        h, w = int(shape[-2]), int(shape[-1])
-        return h, w, max(1, round(latent[-2] / h))
     if latent is None:
         return None
+    if shape is not None:
+        h, w = int(shape[-2]), int(shape[-1])
+        return (h, w, max(1, round(latent[-2] / h))) if h * w == n_tokens else None
     H, W = int(latent[-2]), int(latent[-1])
     ds = max(1, math.ceil(math.sqrt(H * W // n_tokens)))
     h, w = -(-H // ds), -(-W // ds)
@@ -76,75 +80,120 @@ def token_grid(n_tokens: int, transformer_options) -> tuple[int, int, int] | Non
     return h, w, ds
 
 
-def batch_key(x, transformer_options):
-    return (x.shape[0], tuple(transformer_options.get("cond_or_uncond") or ()))
+# Patch lists that make another node's code run inside a transformer block: with scope "block" it would
+# see merged tokens it did not expect.
+BLOCK_PATCH_LISTS = ("attn1_patch", "attn1_output_patch", "attn2_patch", "attn2_output_patch", "middle_patch")
+
+
+def replaced_attention(transformer_options) -> list[str]:
+    """Which of this block's attentions another node replaced ("attn1", "attn2"). Keys are matched as
+    ComfyUI matches them: (block name, id, index inside the SpatialTransformer), then (block name, id)."""
+    block = transformer_options.get("block")
+    if block is None:
+        return []
+    keys = (tuple(block) + (transformer_options.get("block_index", 0),), tuple(block))
+    replace = transformer_options.get("patches_replace") or {}
+    return [name for name in ("attn1", "attn2") if any(k in (replace.get(name) or {}) for k in keys)]
 
 
 class UNetPatch:
-    """Everything one patched UNet clone needs: the runtime and the levels to merge."""
+    """Everything one patched UNet needs: the runtime and the levels to merge.
+
+    Scope "attention" merges inside each block's self-attention module: ``observe`` (the first
+    attn1_patch) notes the block call's options and token shape, and the object-patched ``attn1.forward``
+    merges its input, runs the attention and unmerges the output. Other nodes' attn1 patches thus run
+    outside ToMA's merge on both sides (their input patches before, their output patches after),
+    whatever their order; a block whose attention another node replaced (SAG, PAG) never calls
+    ``attn1.forward`` and stays unmerged; tokens another patch already changed (HyperTile, ToMe, a ToMA
+    node nearer the sampler) no longer have the shape ``observe`` saw, and ToMA leaves them alone.
+    """
 
     def __init__(self, runtime: MergeRuntime, levels: frozenset[int]):
         self.runtime = runtime
         self.levels = levels
-        self.pending = None  # plan set by attn1_patch, consumed by attn1_output_patch of the same block
+        self.current = None  # (options, token shape) noted by observe, taken by the attn1.forward patch
 
-    def plan_for(self, x, features, transformer_options):
-        grid = token_grid(x.shape[1], transformer_options)
+    def __deepcopy__(self, memo):
+        # observe (in model_options, deep-copied by every clone) and the object-patched forwards (shared
+        # by clones) must reach one object
+        return self
+
+    def plan_for(self, x, features, transformer_options, arrived):
+        """The plan for this block call, or None to run it unmerged. ``arrived``: the (batch, tokens)
+        shape the block's input had before any attention patch."""
+        grid = token_grid(arrived[1], transformer_options)
         if grid is None or grid[2] not in self.levels:
             return None
         h, w, ds = grid
+        level = f"{h}x{w} (1/{ds})"
+        if tuple(x.shape[:2]) != tuple(arrived):
+            self.runtime.notice("%s leaves level %s unmerged: another node's attention patch changed its "
+                                "tokens first (%d tokens in batch %d instead of %d in batch %d; HyperTile, "
+                                "ToMe or a token-merge node nearer the sampler)", self.runtime.name, level,
+                                x.shape[1], x.shape[0], arrived[1], arrived[0])
+            return None
         shared = self.runtime.method.shared_per_level
         where = ("level", ds) if shared else (tuple(transformer_options.get("block") or ()),
                                                transformer_options.get("block_index", 0))
         key = (where, (h, w), batch_key(x, transformer_options))
-        return self.runtime.plan(key, features, (h, w), transformer_options, f"{h}x{w} (1/{ds})")
+        return self.runtime.plan(key, features, (h, w), transformer_options, level)
 
     # scope "attention" -------------------------------------------------------------------------
-    def attn1_patch(self, n, context_attn1, value_attn1, extra_options):
-        self.pending = None
-        plan = self.plan_for(n, lambda: n, extra_options)
-        if plan is None:
-            return n, context_attn1, value_attn1
-        self.pending = plan
-        merged = self.runtime.timed("merge", plan.merge, n)
-        self_attention = context_attn1 is n or context_attn1 is None
-        if self_attention:
-            return merged, merged, merged
-        return merged, context_attn1, value_attn1
+    def observe(self, n, context_attn1, value_attn1, extra_options):
+        if self.current is not None:  # the last block called no attn1.forward: another node replaced it
+            options, arrived = self.current
+            grid = token_grid(arrived[1], options)
+            if grid is not None and grid[2] in self.levels:
+                self.runtime.notice("%s leaves level %s unmerged in the blocks whose self-attention another "
+                                    "node replaced (SAG, PAG)", self.runtime.name, f"{grid[0]}x{grid[1]} (1/{grid[2]})")
+        self.current = (extra_options, tuple(n.shape[:2]))
+        return n, context_attn1, value_attn1
 
-    def attn1_output_patch(self, n, extra_options):
-        plan, self.pending = self.pending, None
-        if plan is None:
-            return n
-        return self.runtime.timed("unmerge", plan.unmerge, n)
+    def attention_forward(self, original):
+        patch = self
+
+        def forward(attention, x, context=None, value=None, mask=None, **kwargs):
+            call, patch.current = patch.current, None
+            plan = None if call is None or mask is not None else patch.plan_for(x, lambda: x, *call)
+            if plan is None:
+                return original(x, context=context, value=value, mask=mask, **kwargs)
+            merged = patch.runtime.timed("merge", plan.merge, x)
+            if (context is None or context is x) and (value is None or value is x):  # self-attention
+                context, value = context if context is None else merged, value if value is None else merged
+            out = original(merged, context=context, value=value, mask=mask, **kwargs)
+            return patch.runtime.timed("unmerge", plan.unmerge, out)
+
+        return forward
 
     # scope "block" -----------------------------------------------------------------------------
     def block_forward(self, original):
         patch = self
 
         def forward(block, x, context=None, transformer_options={}):
-            plan = patch.plan_for(x, lambda: block.norm1(x), transformer_options)
+            if patch.steps_aside(transformer_options):
+                return original(x, context=context, transformer_options=transformer_options)
+            plan = patch.plan_for(x, lambda: block.norm1(x), transformer_options, tuple(x.shape[:2]))
             if plan is None:
                 return original(x, context=context, transformer_options=transformer_options)
             xm = patch.runtime.timed("merge", plan.merge, x)
-            ym = original(xm, context=context, transformer_options=transformer_options)
+            # the block gets its own copy: the March-2024 block adds its attention outputs in place
+            ym = original(xm.clone(), context=context, transformer_options=transformer_options)
             return x + patch.runtime.timed("unmerge", plan.unmerge, ym - xm)
 
         return forward
 
-
-def original_attr(model, key):
-    """What ``key`` of the BaseModel is for this clone before our patch: the clone's own object patch,
-    else the saved original (object patches stay applied after sampling), else the live attribute."""
-    import comfy.utils
-
-    if hasattr(model, "get_model_object"):
-        return model.get_model_object(key)
-    if key in model.object_patches:
-        return model.object_patches[key]
-    if key in model.object_patches_backup:
-        return model.object_patches_backup[key]
-    return comfy.utils.get_attr(model.model, key)
+    def steps_aside(self, transformer_options) -> bool:
+        """Scope "block": whether this block runs code of another node that expects its full tokens."""
+        patches = transformer_options.get("patches") or {}
+        lists = [name for name in BLOCK_PATCH_LISTS if patches.get(name)]
+        replaced = replaced_attention(transformer_options)
+        if not lists and not replaced:
+            return False
+        self.runtime.notice("%s (scope block) leaves the blocks with %s of another node unmerged: that "
+                            "code expects the block's full tokens", self.runtime.name,
+                            " and ".join([f"{name} patches" for name in lists] +
+                                         [f"an {name} replacement" for name in replaced]))
+        return True
 
 
 def is_unet(model) -> bool:
@@ -163,48 +212,19 @@ def patch_unet(model, runtime: MergeRuntime, levels_choice: str, scope: str):
     patch = UNetPatch(runtime, levels)
     m = model.clone()
     if scope == "attention":
-        m.set_model_attn1_patch(patch.attn1_patch)
-        m.set_model_attn1_output_patch(patch.attn1_output_patch)
+        patches = m.model_options.setdefault("transformer_options", {}).setdefault("patches", {})
+        patches["attn1_patch"] = [patch.observe] + patches.get("attn1_patch", [])  # first: sees the block's tokens
+        for path, block in transformer_blocks(dm):
+            key = f"{path}.attn1.forward"
+            forward = patch.attention_forward(original_attr(m, key))
+            m.add_object_patch(key, types.MethodType(forward, block.attn1))
     elif scope == "block":
         for path, block in transformer_blocks(dm):
-            original = original_attr(m, f"{path}.forward")
-            m.add_object_patch(f"{path}.forward", types.MethodType(patch.block_forward(original), block))
+            key = f"{path}.forward"
+            m.add_object_patch(key, types.MethodType(patch.block_forward(original_attr(m, key)), block))
     else:
         raise ValueError(f"scope must be 'attention' or 'block', got {scope!r}")
     install_run_hooks(m, runtime)
     log.info("ToMA: %s patched on UNet levels %s (scope %s)", runtime.name,
              ", ".join(f"1/{d}" for d in sorted(levels)) or "none", scope)
     return m
-
-
-def install_run_hooks(m, runtime: MergeRuntime):
-    """A clean slate per sampling run and stats at its end: CUR's OUTER_SAMPLE wrapper when the host has
-    it. Older ComfyUI has no run hooks, so two calls every sampling run makes are object-patched (the model
-    itself is untouched): ``comfy.samplers.sample`` first encodes each cond through
-    ``BaseModel.extra_conds`` (with the run's ``latent_image``), and at the end hands the sampled latent to
-    ``BaseModel.process_latent_out``. The start matters where sigmas cannot tell runs apart: one-step runs,
-    and a run cancelled in its first step, all begin at the sigma the previous one stopped at."""
-    try:
-        from comfy.patcher_extension import WrappersMP
-    except ImportError:
-        WrappersMP = None
-    if WrappersMP is not None and hasattr(m, "add_wrapper_with_key"):
-        m.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, "comfyui_toma", runtime.outer_sample_wrapper)
-        return
-    extra_conds = original_attr(m, "extra_conds")
-
-    def reset_then_extra_conds(**kwargs):
-        if "latent_image" in kwargs:  # PerpNeg also encodes a cond in every step, without latent_image
-            runtime.reset()
-        return extra_conds(**kwargs)
-
-    m.add_object_patch("extra_conds", reset_then_extra_conds)
-    process_latent_out = original_attr(m, "process_latent_out")
-
-    def process_latent_out_then_end_run(latent):
-        out = process_latent_out(latent)
-        runtime.end_run()
-        return out
-
-    m.add_object_patch("process_latent_out", process_latent_out_then_end_run)
-

@@ -61,7 +61,7 @@ def import_comfy(pytorch_attention: bool = False, cpu: bool = True) -> Path:
     * The tree goes first on ``sys.path``: ComfyUI's top-level ``nodes.py`` must win over the pack's
       ``nodes/`` package (the repo root is on ``sys.path`` too, see conftest.py).
     * ``args.cpu`` (and ``use_pytorch_cross_attention``) must be set before anything imports
-      ``comfy.model_management``: it picks the device and attention backend at import time (trap T3, T5).
+      ``comfy.model_management``: it picks the device and attention backend at import time.
       That choice is per process, so a second call with a different ``pytorch_attention`` raises.
     * Extra nodes (``TomePatchModel``, ...) are registered by ``init_extra_nodes`` (current, async,
       external custom nodes skipped) or ``init_custom_nodes`` (old). Idempotent; returns the tree path.
@@ -140,9 +140,9 @@ def main_argv(workdir: Path, *extra: str) -> list[str]:
 
     Everything it writes goes under ``workdir`` (custom_nodes/, output/, input/, temp/, user/, frontend/).
     Options only the current tree has are added when its ``comfy/cli_args.py`` defines them: a dummy
-    ``--front-end-root`` (else it exits without the frontend wheel, trap T8), ``--user-directory`` and
+    ``--front-end-root`` (else it exits without the frontend wheel), ``--user-directory`` and
     an in-memory ``--database-url``. The yaml gives an absolute path: the old tree resolves relative
-    ones against the CWD (trap T1).
+    ones against the CWD.
     """
     root = comfy_root()
     workdir = Path(workdir).resolve()

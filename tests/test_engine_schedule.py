@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from toma_core import ReuseSchedule, SigmaClock, StepDecision, step_from_sigmas
+from toma_core import ReuseSchedule, RunClock, StepDecision, step_from_sigmas
 
 
 def karras(n: int, sigma_min: float = 0.0292, sigma_max: float = 14.6146, rho: float = 7.0) -> list[float]:
@@ -114,35 +114,46 @@ def test_step_from_sigmas_on_a_karras_schedule(steps):
     assert step_from_sigmas(sched[0] * 1.5, sched) == 0  # above the schedule
 
 
-def test_sigma_clock_with_schedule():
+def test_run_clock_with_schedule():
     sched = karras(10)
-    clock = SigmaClock()
+    clock = RunClock()
+    clock.begin(sched)
     seen = []
     for i in range(10):
         for _ in range(3):  # cond, uncond and a split batch: several calls at one sigma
-            seen.append(clock.observe(sched[i], sched))
+            seen.append(clock.step(sched[i]))
         if i < 9:
-            seen.append(clock.observe(math.sqrt(sched[i] * sched[i + 1]), sched))  # second solver stage
-    steps = [s for s, _, _ in seen]
-    assert [s for s, _, _ in seen[::4]] == list(range(10))
-    assert all(steps[j] <= steps[j + 1] for j in range(len(steps) - 1))
-    assert all(total == 10 for _, total, _ in seen)
-    assert [new for _, _, new in seen] == [True] + [False] * (len(seen) - 1)
-    # a second run with the same schedule: the sigma rises, so it starts again at step 0
-    assert clock.observe(sched[0], sched) == (0, 10, True)
-    assert clock.observe(sched[1], sched) == (1, 10, False)
-    # a different schedule that starts lower is a new run too
-    other = karras(5, sigma_max=2.0)
-    assert clock.observe(other[0], other) == (0, 5, True)
+            seen.append(clock.step(math.sqrt(sched[i] * sched[i + 1])))  # second solver stage
+    assert seen[::4] == list(range(10))
+    assert all(seen[j] <= seen[j + 1] for j in range(len(seen) - 1))
+    assert clock.total == 10
 
 
-def test_sigma_clock_without_schedule_counts_distinct_sigmas():
+def test_run_clock_never_starts_a_run_on_a_rising_sigma():
+    # dpmpp_2s_ancestral: each step evaluates sigma_i, then a point below sigma_down, and the next step's
+    # sigma lies above that point; heun evaluates the next step's sigma as its second stage
+    sched = karras(6)
+    clock = RunClock()
+    clock.begin(sched)
+    calls = []
+    for i in range(6):
+        calls.append((sched[i], i))
+        low = sched[i + 1] * 0.5 if sched[i + 1] > 0 else sched[i] / 10
+        calls.append((math.sqrt(sched[i] * low), i))
+    assert [clock.step(s) for s, _ in calls] == [i for _, i in calls]
+    clock.begin(sched)  # a new run only when the host says so
+    assert clock.step(sched[2]) == 2
+
+
+def test_run_clock_without_schedule_counts_distinct_sigmas():
     sched = karras(8)
-    clock = SigmaClock()
+    clock = RunClock()
+    clock.begin(None)
     for i in range(8):
-        for call in range(2):
-            assert clock.observe(sched[i]) == (i, None, i == 0 and call == 0)
-    assert clock.observe(sched[0]) == (0, None, True)  # rising sigma: a new run
-    assert clock.observe(sched[1]) == (1, None, False)
-    clock.reset()
-    assert clock.observe(sched[5]) == (0, None, True)
+        for _ in range(2):
+            assert clock.step(sched[i]) == i
+    assert clock.total is None
+    assert clock.step(sched[0]) == 0  # a sigma seen before keeps its step: no new run
+    assert clock.step(sched[3] * 1.01) == 8  # a sigma not seen before in this run is a new step
+    clock.begin(None)
+    assert clock.step(sched[5]) == 0

@@ -3,7 +3,8 @@
 A renamed or reordered input of our nodes (or of ComfyUI's) must break a test here, not a user's graph.
 The API files (``*_api.json``, what ``POST /prompt`` takes) are checked input by input against
 ``/object_info``; the UI files (what the front end loads) are checked for widget counts and are converted
-to API format with /object_info's input order, which must give exactly the shipped API twin.
+to API format with /object_info's input order, which must give exactly the shipped API twin. Every model
+file a UI file loads comes with a download link, as in ComfyUI's own templates.
 Runs against the pinned tree, and against current ComfyUI when COMFYUI_PATH points at it.
 """
 import copy
@@ -26,12 +27,22 @@ FLUX_ERA_NODES = {"UNETLoader", "DualCLIPLoader", "FluxGuidance", "EmptySD3Laten
 # Combo inputs whose choices are the user's model files: the test server has none of them.
 FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name1", "clip_name2", "vae_name"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+# Where the front end's missing-models dialog downloads from, and the files it takes.
+DOWNLOAD_SOURCES = ("https://huggingface.co/", "https://civitai.com/")
+DOWNLOAD_SUFFIXES = (".safetensors", ".sft")
 
 
 @pytest.fixture(scope="module")
-def object_info(tmp_path_factory):
+def served(tmp_path_factory) -> dict:
+    """What one server publishes: /object_info, and its model folders (None where it has no /models)."""
     with server.comfy_server(tmp_path_factory.mktemp("workflows-server")) as client:
-        return client.object_info()
+        status, folders = client.request("GET", "/models")
+        return {"object_info": client.object_info(), "model_folders": json.loads(folders) if status == 200 else None}
+
+
+@pytest.fixture(scope="module")
+def object_info(served):
+    return served["object_info"]
 
 
 def checked_types(info: dict) -> callable:
@@ -215,6 +226,38 @@ def test_ui_workflow_matches_object_info_and_its_api_twin(object_info, name):
     assert {k: v for k, v in comparable(converted).items() if k in kept} == \
            {k: v for k, v in comparable(twin).items() if k in kept}
     assert set(converted) == set(twin)
+
+
+def model_link_problems(workflow: dict, info: dict, model_folders: list | None) -> list[str]:
+    """Loader nodes whose model files have no download link the front end offers: a ``properties.models``
+    entry {name, url, directory} per file widget value, as ComfyUI's templates carry them."""
+    converted, _ = ui_to_api(workflow, info)
+    checked = checked_types(info)
+    problems = []
+    for node in workflow["nodes"]:
+        if not checked(node["type"]) or node["type"] not in info:
+            continue  # its widgets are not mapped to inputs in this tree (see FLUX_ERA_NODES)
+        where = f"node {node['id']} ({node['type']})"
+        files = {value for name, value in converted[str(node["id"])]["inputs"].items() if name in FILE_INPUTS}
+        links = {entry.get("name"): entry for entry in node.get("properties", {}).get("models", [])}
+        problems += [f"{where}: no download link for {name}" for name in sorted(files - set(links))]
+        problems += [f"{where}: link for {name}, which it does not load" for name in sorted(set(links) - files)]
+        for name, entry in links.items():
+            if not entry.get("url", "").startswith(DOWNLOAD_SOURCES) or not name.endswith(DOWNLOAD_SUFFIXES):
+                problems.append(f"{where}: the front end does not download {entry}")
+            if model_folders is not None and entry.get("directory") not in model_folders:
+                problems.append(f"{where}: {name} goes to {entry.get('directory')!r}, not a model folder")
+    return problems
+
+
+@pytest.mark.parametrize("name", UI_FILES)
+def test_ui_workflow_links_the_model_files_it_loads(served, name):
+    workflow = server.load_workflow(name)
+
+    problems = model_link_problems(workflow, served["object_info"], served["model_folders"])
+
+    assert problems == []
+    assert any(node.get("properties", {}).get("models") for node in workflow["nodes"])
 
 
 def test_checks_catch_a_renamed_input_and_a_missing_widget_value(object_info):

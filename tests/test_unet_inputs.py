@@ -18,6 +18,9 @@ BAD_INPUTS = [
     ("ToMAPatchModel", dict(TOMA, window_size=0), ["window_size", "1", "32"]),
     ("ToMAPatchModel", dict(TOMA, reuse_interval=0), ["reuse_interval", "1", "100"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, window_size=33), ["window_size", "1", "32"]),
+    ("ToMAPatchModel", dict(TOMA, window_size=4.5), ["window_size", "integer", "1", "32"]),
+    ("ToMAPatchModel", dict(TOMA, reuse_interval="5"), ["reuse_interval", "integer", "1", "100"]),
+    ("ToMAPatchModel", dict(TOMA, ratio=True), ["ratio", "number", "0.0", "0.9"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, weights_interval=0), ["weights_interval", "1", "100"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, start_percent=-0.1), ["start_percent", "0.0", "1.0"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, end_percent=1.5), ["end_percent", "0.0", "1.0"]),
@@ -28,6 +31,7 @@ BAD_INPUTS = [
     ("ToMeSDPatchModel", {"ratio": 0.8}, ["ratio", "0.0", "0.75"]),
     ("ToMeSDPatchModel", {"ratio": 0.5, "max_downsample": 3}, ["max_downsample", "1", "8"]),
     ("ToMeSDPatchModel", {"ratio": 0.5, "sx": 0}, ["sx", "1", "8"]),
+    ("ToMeSDPatchModel", {"ratio": 0.5, "sy": 2.5}, ["sy", "integer", "1", "8"]),
     ("ToMeSDPatchModel", {"ratio": 0.5, "sy": 9}, ["sy", "1", "8"]),
     ("ToMeSDPatchModel", {"ratio": 0.5, "seed": -1}, ["seed", "0", str(2**31 - 1)]),
     ("CAToMePatchModel", {"threshold": 1.5}, ["threshold", "-1.0", "1.0"]),
@@ -75,6 +79,24 @@ def test_bad_input_leaves_the_model_alone(pack, sd15):
         pack.NODE_CLASS_MAPPINGS["ToMAPatchModelAdvanced"]().patch(sd15, **dict(TOMA, scope="everything"))
 
     assert (dict(sd15.model_options), dict(sd15.object_patches)) == before
+
+
+def test_unet_without_middle_block(pack):
+    """A UNet whose middle block is None (transformer_depth_middle -2) still gets its levels merged."""
+    import comfy.sample
+
+    model = models.build_unet("sd15", seed=0, config=dict(NARROW_SD15, transformer_depth_middle=-2))
+    assert model.model.diffusion_model.middle_block is None
+    assert pack.nodes.unet.attention_levels(model.model.diffusion_model) == [1, 2, 4]
+    (patched,) = pack.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, **TOMA)
+    positive, negative = models.conditioning("sd15", 1, height=128, width=128)
+    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+
+    out = comfy.sample.sample(patched, noise, 1, 1.0, "euler", "normal", positive, negative,
+                              torch.zeros(1, 4, 16, 16), seed=0, disable_pbar=True)
+
+    assert torch.isfinite(out).all()
+    assert pack.nodes.plan_records.runtime_of(patched).summary()["levels"]["16x16 (1/1)"]["merged_tokens"] == 128
 
 
 def unpatched(model):

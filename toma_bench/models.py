@@ -42,9 +42,9 @@ SDXL_SMALL = dict(SDXL_FULL, num_res_blocks=[1, 1, 1], transformer_depth=[0, 1, 
 
 def init_weights_(module: torch.nn.Module, seed: int, draw_device=None) -> torch.nn.Module:
     """PyTorch's default init for every parameter, from a seeded generator (ComfyUI creates its layers
-    uninitialised, trap T4). The numbers are drawn on the CPU, the same on every machine, unless
-    ``draw_device`` names a faster place (a GPU draws FLUX.1-dev's 12B weights in seconds, a CPU core
-    takes minutes); the same seed then gives the same model on that kind of device."""
+    uninitialised: docs/architecture.md, pitfalls). The numbers are drawn on the CPU, the same on every
+    machine, unless ``draw_device`` names a faster place (a GPU draws FLUX.1-dev's 12B weights in
+    seconds, a CPU core takes minutes); the same seed then gives the same model on that kind of device."""
     g = torch.Generator(draw_device or "cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():

@@ -8,14 +8,14 @@
 """
 from .baselines import CATOME_CONFIG3, BipartitePlan, catome_checkpoints, catome_plan, tomesd_plan
 from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, destinations_per_tile, plan_tiles
-from .schedule import ReuseSchedule, SigmaClock, StepDecision, step_from_sigmas
+from .schedule import ReuseSchedule, RunClock, StepDecision, step_from_sigmas
 from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
 from .tiles import TileGrid, tile_tokens, untile_tokens
 
 __all__ = [
     "CATOME_CONFIG3", "BipartitePlan", "catome_checkpoints", "catome_plan", "tomesd_plan",
     "DEFAULT_TAU", "IdentityPlan", "MergePlan", "destinations_per_tile", "plan_tiles",
-    "ReuseSchedule", "SigmaClock", "StepDecision", "step_from_sigmas",
+    "ReuseSchedule", "RunClock", "StepDecision", "step_from_sigmas",
     "cosine_similarity", "facility_location", "select_destinations", "stochastic_facility_location",
     "TileGrid", "tile_tokens", "untile_tokens",
 ]

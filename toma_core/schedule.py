@@ -2,8 +2,8 @@
 
 The step index always comes from the sampler's sigmas, never from counting model calls: samplers call
 the model a varying number of times per step (CFG batches split for memory, multi-stage solvers), so a
-call counter drifts. ``SigmaClock`` turns the current sigma (and the run's sigma schedule where the host
-gives one) into a step index and notices when a new sampling run starts.
+call counter drifts. ``RunClock`` turns the current sigma (and the run's sigma schedule where the host
+gives one) into a step index.
 """
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -82,35 +82,30 @@ def step_from_sigmas(sigma: float, sample_sigmas: Sequence[float]) -> int:
 
 
 @dataclass
-class SigmaClock:
-    """Step index and run boundaries from sigmas.
+class RunClock:
+    """Step index of each model call in one sampling run, from the sigma the model is called at.
 
-    With the run's schedule (``sample_sigmas``), the step is its index there and the total is known. Without
-    it (older ComfyUI), the step is the number of distinct sigmas seen in this run; sigmas fall within a run,
-    so a sigma above the previous one starts a new run.
+    A run begins only when the host says so (``begin``): samplers evaluate rising sigmas inside one run
+    (ancestral and second-order solvers go back up to the next step's sigma), so a sigma never starts a
+    run. With the run's schedule (steps+1 sigmas) the step is its index there, intermediate sigmas of
+    multi-stage solvers belong to the step whose interval holds them, and the total is known. Without it
+    the step is the number of distinct sigmas seen before this one in the run (a second solver stage then
+    counts as a step of its own).
     """
 
-    _schedule: tuple | None = None
-    _last_sigma: float | None = None
-    _distinct: int = -1
+    schedule: tuple[float, ...] | None = None
+    _seen: dict = field(default_factory=dict, repr=False)
 
-    def observe(self, sigma: float, sample_sigmas: Sequence[float] | None = None) -> tuple[int, int | None, bool]:
-        """Returns (step, total_steps or None, new_run)."""
+    def begin(self, sample_sigmas: Sequence[float] | None = None) -> None:
+        self.schedule = None if sample_sigmas is None else tuple(float(s) for s in sample_sigmas)
+        self._seen = {}
+
+    @property
+    def total(self) -> int | None:
+        return None if self.schedule is None else len(self.schedule) - 1
+
+    def step(self, sigma: float) -> int:
         sigma = float(sigma)
-        schedule = None if sample_sigmas is None else tuple(round(float(s), 6) for s in sample_sigmas)
-        new_run = (
-            self._last_sigma is None
-            or sigma > self._last_sigma * (1 + 1e-6) + 1e-12
-            or schedule != self._schedule
-        )
-        if new_run:
-            self._distinct = -1
-        if new_run or sigma != self._last_sigma:
-            self._distinct += 1
-        self._schedule, self._last_sigma = schedule, sigma
-        if schedule is not None:
-            return step_from_sigmas(sigma, schedule), len(schedule) - 1, new_run
-        return self._distinct, None, new_run
-
-    def reset(self) -> None:
-        self._schedule, self._last_sigma, self._distinct = None, None, -1
+        if self.schedule is not None:
+            return step_from_sigmas(sigma, self.schedule)
+        return self._seen.setdefault(sigma, len(self._seen))

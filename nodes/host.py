@@ -1,0 +1,77 @@
+"""What differs between the ComfyUI versions the pack runs in, feature-detected in one place.
+
+- The original of an object patch: ``ModelPatcher.get_model_object`` where it exists.
+- Run boundaries: current ComfyUI runs OUTER_SAMPLE wrappers around every sampling run and hands them
+  the run's sigmas; the March-2024 tree has no run hooks, so two calls every sampling run makes are
+  object-patched (the model itself is untouched): ``comfy.samplers.sample`` first encodes each cond
+  through ``BaseModel.extra_conds`` (with the run's ``latent_image``), and at the end hands the sampled
+  latent to ``BaseModel.process_latent_out``. A run start must come from the host: sigmas cannot tell
+  runs apart (one-step runs and a run cancelled in its first step begin at the sigma the previous one
+  stopped at), and rise inside one run (ancestral and second-order solvers).
+"""
+import sys
+
+import torch
+
+WRAPPER_KEY = "comfyui_toma"
+
+
+def original_attr(model, key):
+    """What ``key`` of the BaseModel is for this clone before our patch: the clone's own object patch,
+    else the saved original (object patches stay applied after sampling), else the live attribute."""
+    import comfy.utils
+
+    if hasattr(model, "get_model_object"):
+        return model.get_model_object(key)
+    if key in model.object_patches:
+        return model.object_patches[key]
+    if key in model.object_patches_backup:
+        return model.object_patches_backup[key]
+    return comfy.utils.get_attr(model.model, key)
+
+
+def schedule_of_caller(max_depth: int = 8) -> list[float] | None:
+    """The sigmas of the sampling run that is calling, read from the frame of ComfyUI's
+    ``comfy.samplers.sample(model, ..., sigmas, ...)``: the March-2024 tree hands them to no model hook.
+    None when no such frame is found (the step is then counted from distinct sigmas)."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "sample" and frame.f_globals.get("__name__") == "comfy.samplers":
+            sigmas = frame.f_locals.get("sigmas")
+            if torch.is_tensor(sigmas) and sigmas.dim() == 1:
+                return [float(s) for s in sigmas.tolist()]
+            return None
+        frame = frame.f_back
+    return None
+
+
+def install_run_hooks(m, runtime) -> None:
+    """``runtime.begin_run`` at the start of every sampling run of the patched clone ``m`` (with the
+    run's sigmas and the sampled model's noise schedule), ``runtime.end_run`` at its end."""
+    try:
+        from comfy.patcher_extension import WrappersMP
+    except ImportError:
+        WrappersMP = None
+    if WrappersMP is not None and hasattr(m, "add_wrapper_with_key"):
+        m.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, runtime.outer_sample_wrapper)
+        return
+    extra_conds = original_attr(m, "extra_conds")
+    base_model = m.model
+
+    def begin_run_then_extra_conds(**kwargs):
+        if "latent_image" in kwargs:  # PerpNeg also encodes a cond in every step, without latent_image
+            # object patches (a model sampling node's too) are applied while the model samples
+            runtime.begin_run(schedule_of_caller(), base_model.model_sampling)
+        return extra_conds(**kwargs)
+
+    m.add_object_patch("extra_conds", begin_run_then_extra_conds)
+    process_latent_out = original_attr(m, "process_latent_out")
+
+    def process_latent_out_then_end_run(latent):
+        out = process_latent_out(latent)
+        runtime.end_run()
+        return out
+
+    m.add_object_patch("process_latent_out", process_latent_out_then_end_run)
