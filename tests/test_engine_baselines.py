@@ -122,3 +122,13 @@ def test_catome_checkpoints():
     assert catome_checkpoints(100) == {2 * s for s in CATOME_CONFIG3}
     with pytest.raises(ValueError, match="steps"):
         catome_checkpoints(0)
+
+
+def test_bipartite_unmerge_refuses_tokens_it_did_not_merge():
+    x = torch.randn(2, 64, 8, generator=torch.Generator().manual_seed(0))
+    plan = tomesd_plan(x, (8, 8), 0.5, 2, 2, generator=torch.Generator().manual_seed(1))
+    merged = plan.merge(x)
+    for wrong in (merged[:, :-1], merged[:1], x):
+        with pytest.raises(ValueError, match="unmerge expects"):
+            plan.unmerge(wrong)
+    assert plan.unmerge(merged).shape == x.shape

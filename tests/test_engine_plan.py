@@ -235,6 +235,16 @@ def test_given_destinations_of_the_wrong_shape_raise():
         plan_tiles(x, (8, 8), 4, 1.0)
 
 
+def test_unmerge_refuses_tokens_it_did_not_merge():
+    x = torch.randn(2, 64, 8, generator=gen(0))
+    plan = plan_tiles(x, (8, 8), 4, 0.5)
+    merged = plan.merge(x)
+    for wrong in (merged[:, :-1], merged[:1], merged.reshape(4, -1, 8), x):
+        with pytest.raises(ValueError, match="unmerge expects"):
+            plan.unmerge(wrong)
+    assert plan.unmerge(merged).shape == x.shape
+
+
 @pytest.mark.parametrize("hw,tile", CASES)
 def test_destination_tokens_name_the_destinations(hw, tile):
     x = torch.randn(2, hw[0] * hw[1], 8, generator=gen(10))

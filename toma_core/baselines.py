@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .plan import check_merged_shape
+
 # CA-ToMe's best configuration (paper Table II, "CONFIG 3"): steps of a 50-step run at which the
 # matches are recomputed; other steps reuse the last ones.
 CATOME_CONFIG3 = (0, 8, 11, 13, 20, 25, 30, 35, 45, 46, 47, 48, 49)
@@ -48,6 +50,7 @@ class BipartitePlan:
 
     def unmerge(self, y: torch.Tensor) -> torch.Tensor:
         """(B, N - r, C) -> (B, N, C): every merged source gets a copy of its destination's output."""
+        check_merged_shape(y, self.merged.shape[0], self.num_merged)
         B, _, C = y.shape
         n_keep = self.unmerged.shape[1]
         keep, dst = y[:, :n_keep], y[:, n_keep:]

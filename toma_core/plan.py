@@ -52,6 +52,13 @@ def plan_geometry(grid: TileGrid, ratio: float, device: torch.device) -> PlanGeo
     return PlanGeometry(D, grid_on(grid, device)[0], live_slot.to(device), live)
 
 
+def check_merged_shape(y: torch.Tensor, batch: int, tokens: int) -> None:
+    """Unmerge only what this plan merged: a tensor of other rows or tokens (another patch's tokens) would
+    otherwise be reinterpreted silently."""
+    if y.dim() != 3 or tuple(y.shape[:2]) != (batch, tokens):
+        raise ValueError(f"unmerge expects (batch {batch}, {tokens} merged tokens, channels), got {tuple(y.shape)}")
+
+
 @dataclass
 class MergePlan:
     """Merge/unmerge operators for one token grid, one per batch row.
@@ -88,6 +95,7 @@ class MergePlan:
     def unmerge(self, y: torch.Tensor) -> torch.Tensor:
         """(B, N', C) -> (B, N, C)."""
         B, T, D, _ = self.merge_weights.shape
+        check_merged_shape(y, B, self.num_merged)
         if self.live is not None:
             y = y.new_zeros(B, T * D, y.shape[-1]).index_copy_(1, self.live, y)
         return untile_tokens(self.unmerge_weights @ y.view(B, T, D, -1), self.grid)
