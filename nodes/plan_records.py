@@ -50,8 +50,7 @@ class PlanRecord:
             groups, kept = bipartite_groups(self.plan)
         else:
             groups = kept = torch.arange(self.plan.num_merged)
-        as_cpu = lambda t: t.to(device="cpu", dtype=torch.int32)  # noqa: E731
-        return as_cpu(groups), as_cpu(kept)
+        return groups.to(device="cpu", dtype=torch.int32), kept.to(device="cpu", dtype=torch.int32)
 
     @property
     def groups(self) -> torch.Tensor:

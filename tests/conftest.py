@@ -16,7 +16,7 @@ TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:  # `import comfy_host` from any test, whatever pytest's import mode
     sys.path.insert(0, TESTS)
 
-import comfy_host  # noqa: E402  (imports nothing from ComfyUI)
+import comfy_host  # after the sys.path lines above; imports nothing from ComfyUI
 
 
 @pytest.fixture(scope="session")

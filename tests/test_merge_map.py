@@ -99,7 +99,9 @@ def test_toma_record_on_random_features_matches_most_similar_destination(pack):
 
     xn = torch.nn.functional.normalize(x[0], dim=-1)
     kept = record.kept.long()
-    tile_of = lambda i: (i // w // tile, i % w // tile)  # noqa: E731
+    def tile_of(i):
+        return i // w // tile, i % w // tile
+
     for token in range(h * w):
         candidates = [int(k) for k in kept if tile_of(int(k)) == tile_of(token)]
         best = max(candidates, key=lambda k: float(xn[k] @ xn[token]))

@@ -107,11 +107,11 @@ def test_comfy_node_pack_ships_the_nodes_and_no_development_files(checkout):
         names = set(archive.namelist())
 
     tracked = set(git("ls-files", cwd=checkout).splitlines())
-    needed = {name for name in tracked if name.startswith(SHIPPED_DIRS)} - {"toma_core/bench.py"}
+    needed = {name for name in tracked if name.startswith(SHIPPED_DIRS)}
     needed |= {"__init__.py", "README.md", "LICENSE", "requirements.txt", "pyproject.toml"}
     assert needed - names == set(), "missing from the zip"
     assert [name for name in names if name.startswith(DEVELOPMENT_DIRS)] == []
-    assert not {".comfyignore", ".gitignore", "pytest.ini", "toma_core/bench.py"} & names
+    assert not {".comfyignore", ".gitignore", "pytest.ini"} & names
     assert missing_imports(names, checkout) == []
     assert any(name.startswith("web/docs/") and name.endswith("/en.md") for name in names)
 

@@ -273,9 +273,13 @@ def test_both_attention_backends_run_on_merged_tokens(pack, sd15, monkeypatch, s
 # -- isolation: the input MODEL, other clones, later runs --------------------------------------------------
 def test_clones_do_not_affect_each_other_or_the_original(pack, sd15, toma_square):
     keys = set(sd15.model.model.state_dict())
-    make_a = lambda: patch(pack, "ToMAPatchModel", sd15.model, **TOMA)  # noqa: E731
-    make_b = lambda: patch(pack, "ToMAPatchModelAdvanced", sd15.model,  # noqa: E731
-                           **advanced(ratio=0.7, window_size=2, scope="block", levels="auto+next"))
+    def make_a():
+        return patch(pack, "ToMAPatchModel", sd15.model, **TOMA)
+
+    def make_b():
+        return patch(pack, "ToMAPatchModelAdvanced", sd15.model,
+                     **advanced(ratio=0.7, window_size=2, scope="block", levels="auto+next"))
+
     b_alone = sample(make_b(), "sd15")
     a, b = make_a(), make_b()
 

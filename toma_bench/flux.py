@@ -57,7 +57,7 @@ def import_comfy(device: str, require_flux: bool = True) -> Path:
     comfy.cli_args.args.cpu = device == "cpu"
     comfy.cli_args.args.highvram = device == "cuda"
     comfy.cli_args.args.use_pytorch_cross_attention = True
-    import comfy.model_management  # noqa: F401  (picks the device and attention backend now)
+    import comfy.model_management  # imported for its side effect: it picks the device and attention backend now
 
     return root
 
@@ -111,15 +111,19 @@ def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+
+def format_cell(value, pattern: str) -> str:
+    """A table cell: ``value`` through ``pattern``, or "-" for a value not measured."""
+    return "-" if value is None else pattern.format(value)
+
 def format_table(rows: list[dict]) -> str:
     head = ["variant", "step ms", "speed-up", "CPU-time speed-up", "image tokens", "select %", "merge %",
             "rel L2 x0", "rel L2 out"]
     base, base_cpu = rows[0]["step"], rows[0]["cpu"]
-    cell = lambda v, pattern: "-" if v is None else pattern.format(v)  # noqa: E731
     lines = [[r["name"], f"{1000 * r['step']:.1f}", f"{base / r['step']:.2f}x",
-              cell(r["cpu"] and base_cpu / r["cpu"], "{:.2f}x"), r["tokens"],
-              cell(r["select"], "{:.1f}%"), cell(r["merge"], "{:.1f}%"), cell(r["x0"], "{:.4f}"),
-              cell(r["out"], "{:.4f}")] for r in rows]
+              format_cell(r["cpu"] and base_cpu / r["cpu"], "{:.2f}x"), r["tokens"],
+              format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%"),
+              format_cell(r["x0"], "{:.4f}"), format_cell(r["out"], "{:.4f}")] for r in rows]
     widths = [max(len(row[i]) for row in [head] + lines) for i in range(len(head))]
 
     def fmt(row):
@@ -216,8 +220,9 @@ def main(argv=None) -> None:
         if summaries:
             timed = [s for s in summaries if s.get("wall_seconds")]
             row["tokens"] = merged_tokens(summaries[-1])
-            share = lambda kinds: 100 * statistics.median(  # noqa: E731
-                sum(s["seconds"][k] for k in kinds) / s["wall_seconds"] for s in timed)
+            def share(kinds):
+                return 100 * statistics.median(sum(s["seconds"][k] for k in kinds) / s["wall_seconds"] for s in timed)
+
             row["select"], row["merge"] = share(["select"]), share(["merge", "unmerge"])
             x0, out = outputs[name]
             row["x0"], row["out"] = relative_l2(x0, ref_x0), relative_l2(out, ref_out)

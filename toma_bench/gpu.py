@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from . import flux as flux_bench
+from .flux import format_cell
 from . import models
 
 DEFAULT_BUDGET_S = 420  # the kit must finish in 8 minutes on an H100/H200, installs and start-up included
@@ -211,15 +212,15 @@ class Results:
                  f"- budget {meta['budget_s']:.0f} s; {'complete' if meta.get('complete') else 'PARTIAL (stopped by the budget or still running)'}"
                  + (f"; finished in {meta['elapsed_s']:.0f} s" if meta.get("elapsed_s") else ""),
                  ""]
-        cell = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
         for name, section in data["models"].items():
             lines += [f"## {name}", "", section["setup"], "",
                       "| variant | step ms | speed-up | peak GiB | merge % | merged tokens | runs |",
                       "|---|---:|---:|---:|---:|---|---:|"]
             for r in section["rows"]:
-                lines.append(f"| {r['variant']} | {cell(r['step_ms'], '{:.1f}')} | {cell(r['speed_up'], '{:.2f}x')} | "
-                             f"{cell(r['peak_gib'], '{:.2f}')} | {cell(r['merge_percent'], '{:.1f}')} | "
-                             f"{r['merged_tokens']} | {r['runs']} |")
+                cells = [r["variant"], format_cell(r["step_ms"], "{:.1f}"), format_cell(r["speed_up"], "{:.2f}x"),
+                         format_cell(r["peak_gib"], "{:.2f}"), format_cell(r["merge_percent"], "{:.1f}"),
+                         r["merged_tokens"], r["runs"]]
+                lines.append("| " + " | ".join(map(str, cells)) + " |")
             lines.append("")
         if data["syncs"]:
             lines += ["## Host-device syncs (toma_bench.syncs, one run each)", "",
@@ -373,11 +374,14 @@ def parse_args(argv):
     return args
 
 
+
+def log(line: str) -> None:
+    print(line, flush=True)
+
 def main(argv=None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
     cuda = not args.dry_run
-    log = lambda s: print(s, flush=True)  # noqa: E731
     root = flux_bench.import_comfy("cuda" if cuda else "cpu", require_flux=False)
     pack = flux_bench.load_pack()
     meta = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",

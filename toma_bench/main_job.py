@@ -36,9 +36,9 @@ WORKFLOW = "sd15_compare_api.json"
 LABELS = {"unpatched": "unpatched", "toma": "ToMA", "tomesd": "ToMeSD"}  # SaveImage prefix -> table label
 TEXT_ENCODER_PREFIXES = ("cond_stage_model.", "conditioner.", "text_encoders.")  # SD1.x/2.x, SDXL, SD3-style
 
-sys.path.insert(0, str(REPO / "tests"))
-import comfy_host  # noqa: E402
-import server  # noqa: E402
+sys.path.insert(0, str(REPO / "tests"))  # the test harness drives the headless ComfyUI (imported below)
+import comfy_host
+import server
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -77,10 +77,6 @@ class MergePlan:
     live: torch.Tensor | None
 
     @property
-    def batch_size(self) -> int:
-        return self.destinations.shape[0]
-
-    @property
     def num_merged(self) -> int:
         if self.live is not None:
             return self.live.numel()
@@ -108,10 +104,6 @@ class MergePlan:
         raster = raster.reshape(B, T * D)
         return raster if self.live is None else raster.index_select(1, self.live)
 
-    def to(self, dtype: torch.dtype) -> "MergePlan":
-        return MergePlan(self.grid, self.destinations, self.merge_weights.to(dtype),
-                         self.unmerge_weights.to(dtype), self.live)
-
 
 class IdentityPlan:
     """The plan for ratio 0: nothing is merged, merge and unmerge return their input unchanged."""
@@ -128,9 +120,6 @@ class IdentityPlan:
 
     def destination_tokens(self) -> torch.Tensor:
         return torch.arange(self.num_merged, device=self.device).expand(self.batch_size, -1)
-
-    def to(self, dtype: torch.dtype) -> "IdentityPlan":
-        return self
 
 
 def plan_tiles(

@@ -1,6 +1,6 @@
 """Engine micro-benchmark: what merging costs next to the attention it saves.
 
-    python -m toma_core.bench [--repeats 7] [--device auto|cpu|cuda] [--threads N]
+    python -m toma_bench.engine [--repeats 7] [--device auto|cpu|cuda] [--threads N]
 
 For each input x (B, N, C) it times one SDPA self-attention (q = k = v = x as heads of 64) and, as a
 percentage of it: building a plan with new destinations (``select``), refreshing the weights of given
@@ -16,8 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .baselines import tomesd_plan
-from .plan import plan_tiles
+from toma_core.baselines import tomesd_plan
+from toma_core.plan import plan_tiles
 
 SHAPES = [((2, 4096, 640), (64, 64)), ((2, 1024, 1280), (32, 32))]
 TILES = (4, 8, 16)
@@ -92,7 +92,7 @@ def format_table(attn_n, rows) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m toma_core.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m toma_bench.engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per measurement (median)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: CPU fp32, plus CUDA fp16 when available")
