@@ -144,7 +144,7 @@ class MergeRuntime:
         self._in_run = False  # begin_run seen, end_run not yet
         self._unreported = False  # the model ran since the last end_run
         self._run_sampling = None  # model_sampling of the current run
-        self._progress: dict = {}  # sigma -> progress, for this run
+        self._progress: dict = {}  # sigma -> progress under _run_sampling
         self._located = (None, None)  # (sigma tensor of the last model call, its (step, progress, total))
 
     def __deepcopy__(self, memo):
@@ -173,10 +173,14 @@ class MergeRuntime:
         getattr(self.method, "schedule", None) and self.method.schedule.reset()
         hasattr(self.method, "reset") and self.method.reset()
         self.clock.begin(schedule)
-        self._run_sampling = model_sampling if model_sampling is not None else self.model_sampling
-        self._progress = {}
-        if schedule is not None:  # read once per run, not per model call
-            self._progress = {s: progress_of_sigma(self._run_sampling, s) for s in self.clock.schedule}
+        run_sampling = model_sampling if model_sampling is not None else self.model_sampling
+        if run_sampling is not self._run_sampling:  # progress of a sigma belongs to one noise schedule
+            self._progress = {}
+        self._run_sampling = run_sampling
+        if schedule is not None:  # once per sigma, not per model call (nor per hook call of one run)
+            for sigma in self.clock.schedule:
+                if sigma not in self._progress:
+                    self._progress[sigma] = progress_of_sigma(run_sampling, sigma)
         self._located = (None, None)
         self._in_run = True
         self.run_started = time.perf_counter()

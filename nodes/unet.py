@@ -96,6 +96,12 @@ def replaced_attention(transformer_options) -> list[str]:
     return [name for name in ("attn1", "attn2") if any(k in (replace.get(name) or {}) for k in keys)]
 
 
+def level_name(grid: tuple[int, int, int]) -> str:
+    """How stats, the merge map and the log name a level: "32x32 (1/1)"."""
+    h, w, ds = grid
+    return f"{h}x{w} (1/{ds})"
+
+
 class UNetPatch:
     """Everything one patched UNet needs: the runtime and the levels to merge.
 
@@ -125,7 +131,7 @@ class UNetPatch:
         if grid is None or grid[2] not in self.levels:
             return None
         h, w, ds = grid
-        level = f"{h}x{w} (1/{ds})"
+        level = level_name(grid)
         if tuple(x.shape[:2]) != tuple(arrived):
             self.runtime.notice("%s leaves level %s unmerged: another node's attention patch changed its "
                                 "tokens first (%d tokens in batch %d instead of %d in batch %d; HyperTile, "
@@ -145,7 +151,7 @@ class UNetPatch:
             grid = token_grid(arrived[1], options)
             if grid is not None and grid[2] in self.levels:
                 self.runtime.notice("%s leaves level %s unmerged in the blocks whose self-attention another "
-                                    "node replaced (SAG, PAG)", self.runtime.name, f"{grid[0]}x{grid[1]} (1/{grid[2]})")
+                                    "node replaced (SAG, PAG)", self.runtime.name, level_name(grid))
         self.current = (extra_options, tuple(n.shape[:2]))
         return n, context_attn1, value_attn1
 
