@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .plan_records import PlanRecord, runtimes_of
-from .toma_nodes import CATEGORY, check_range
+from .toma_nodes import CATEGORY, check_inputs
 
 PIXELS_PER_LATENT = 8  # the map has the size of the decoded image of the latent
 GOLDEN = (math.sqrt(5) - 1) / 2
@@ -194,9 +194,7 @@ class ToMAMergeMap:
         }
 
     def draw(self, model, latent, level=0, step=-1, image=None, opacity=0.5):
-        check_range("level", level, 0, 15)
-        check_range("step", step, -1, 10000)
-        check_range("opacity", opacity, 0.0, 1.0)
+        check_inputs(ToMAMergeMap, level=level, step=step, opacity=opacity)
         runtime = StackPlans.of(runtimes_of(model))
         h, w = latent_size(latent)
         name, record = choose_record(runtime, level, step)

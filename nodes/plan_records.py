@@ -7,7 +7,7 @@ small int32 tensors. Recording launches no device work and reads nothing back, s
 map never waits for the device on its account; plans reused from the cache add nothing at all.
 
 Finding the runtime from a MODEL. ``model_options`` is deep-copied whenever ComfyUI clones a patcher
-(trap T6), so the MODEL carries only a string: ``model_options["transformer_options"]["comfyui_toma"]``
+(docs/architecture.md, "patches are deep-copied"), so the MODEL carries only a string: ``model_options["transformer_options"]["comfyui_toma"]``
 is a registry id, and ``RUNTIMES`` maps ids to live runtimes. The registry holds them weakly: a runtime
 lives exactly as long as the patches of some model refer to it, and a string survives any number of
 clones (every clone of a patched model shares its runtime, see ``MergeRuntime.__deepcopy__``).
@@ -89,13 +89,13 @@ def bipartite_groups(plan: BipartitePlan) -> tuple[torch.Tensor, torch.Tensor]:
     return groups, kept
 
 
-def record_plan(plan, step: int, hw: tuple[int, int], method=None) -> PlanRecord:
-    """The PlanRecord of ``plan`` used from ``step`` on, for a grid of ``hw`` tokens. ``method`` gives
+def record_plan(plan, step: int, hw: tuple[int, int], strategy=None) -> PlanRecord:
+    """The PlanRecord of ``plan`` used from ``step`` on, for a grid of ``hw`` tokens. ``strategy`` gives
     the cell size of bipartite plans (its ``sy``, ``sx``)."""
     if isinstance(plan, (MergePlan, IdentityPlan)):
         cell = (plan.grid.tile, plan.grid.tile)
     elif isinstance(plan, BipartitePlan):
-        cell = (method.sy, method.sx) if hasattr(method, "sy") and hasattr(method, "sx") else None
+        cell = (strategy.sy, strategy.sx) if hasattr(strategy, "sy") and hasattr(strategy, "sx") else None
     else:
         raise TypeError(f"cannot record a {type(plan).__name__}")
     return PlanRecord(step, int(hw[0]), int(hw[1]), cell, plan)

@@ -1,5 +1,8 @@
 """Per-patched-model state while sampling: which step we are at, which plans are cached, what it cost.
 
+The runtime is the only owner of run boundaries and of the plan cache; the strategy
+(``toma_core.strategies``) builds plans, and its schedule says when.
+
 One ``MergeRuntime`` lives in the closures of one patched MODEL (closures are shared, not deep-copied,
 when ComfyUI clones a patcher). It never holds on to anything across sampling runs: the run-start hook
 the adapter installs (``install_run_hooks``) calls ``begin_run``, which clears every cache and takes the
@@ -11,12 +14,13 @@ tensor's identity for the block calls that follow); the schedule's sigmas and th
 once per run.
 """
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..toma_core import CATOME_CONFIG3, ReuseSchedule, RunClock, catome_checkpoints, catome_plan, plan_tiles, tomesd_plan
+from ..toma_core import RunClock
 from .live_stats import StageClock
 from .plan_records import record_plan
 
@@ -43,97 +47,23 @@ def batch_key(x, transformer_options):
 
 
 @dataclass
-class ToMAMethod:
-    """ToMA: one plan per block group (level) and batch layout, shared by the group's blocks in a step,
-    destinations and weights reused per the schedule."""
-
-    ratio: float
-    tile: int
-    schedule: ReuseSchedule
-    tau: float
-    exact: bool
-    seed: int = 0
-    shared_per_level = True
-
-    def plan(self, cached, features, hw, step, progress, total, group):
-        decision = self.schedule.decide(step, progress, group)
-        if not decision.merge:
-            return None
-        if cached is not None and not decision.new_destinations and not decision.new_weights:
-            return cached
-        x = features()
-        if cached is not None and not decision.new_destinations:
-            return plan_tiles(x, hw, self.tile, self.ratio, self.tau, self.exact,
-                              destinations=getattr(cached, "destinations", None))
-        gen = torch.Generator(device=x.device).manual_seed(self.seed)
-        return plan_tiles(x, hw, self.tile, self.ratio, self.tau, self.exact, generator=gen)
-
-
-@dataclass
-class ToMeSDMethod:
-    """ToMeSD: a fresh bipartite matching in every merged block call, as the tomesd package does."""
-
-    ratio: float
-    sx: int
-    sy: int
-    seed: int
-    shared_per_level = False
-
-    def plan(self, cached, features, hw, step, progress, total, group):
-        x = features()
-        gen = torch.Generator(device=x.device).manual_seed(self.seed)
-        return tomesd_plan(x, hw, self.ratio, self.sx, self.sy, generator=gen)
-
-
-@dataclass
-class CAToMeMethod:
-    """CA-ToMe: per block, threshold matching recomputed at the checkpoint steps (CONFIG 3 rescaled to the
-    run's steps), reused in between. Without the run's schedule (older ComfyUI) a checkpoint is any step
-    whose progress passes one of the config's fractions."""
-
-    threshold: float
-    sx: int
-    sy: int
-    seed: int
-    checkpoints: tuple = CATOME_CONFIG3
-    _progress_seen: dict = field(default_factory=dict)
-    shared_per_level = False
-
-    def is_checkpoint(self, step, progress, total, group) -> bool:
-        if total is not None:
-            return step in catome_checkpoints(total, self.checkpoints)
-        last = self._progress_seen.get(group)
-        self._progress_seen[group] = progress
-        marks = [s / 50 for s in self.checkpoints]
-        return last is None or any(last < m <= progress for m in marks)
-
-    def plan(self, cached, features, hw, step, progress, total, group):
-        if cached is not None and not self.is_checkpoint(step, progress, total, group):
-            return cached
-        x = features()
-        gen = torch.Generator(device=x.device).manual_seed(self.seed)
-        return catome_plan(x, hw, self.threshold, self.sx, self.sy, generator=gen)
-
-    def reset(self):
-        self._progress_seen.clear()
-
-
-@dataclass
 class LevelStats:
     tokens: int = 0
     merged_tokens: int = 0
     steps: set = field(default_factory=set)
+    details: dict = field(default_factory=dict)  # what the adapter knows of the level (UNet: downsample)
 
 
 class MergeRuntime:
     """Step tracking, plan cache and cost accounting for one patched model."""
 
-    def __init__(self, method, model_sampling, name: str):
-        self.method = method
+    def __init__(self, strategy, model_sampling):
+        self.strategy = strategy
         self.model_sampling = model_sampling  # the patch-time schedule, for runs no hook announced
-        self.name = name
+        self.name = strategy.name
         self.clock = RunClock()
         self.plans: dict = {}
+        self.generators: dict = {}  # device -> the run's generator, advanced by every plan built
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
         self.stage_clock = StageClock(("select", "merge", "unmerge"))
@@ -166,12 +96,12 @@ class MergeRuntime:
         host hands them over; ``model_sampling``: the noise schedule of the model being sampled (model
         sampling nodes may sit before or after the merge node), else the patch-time one."""
         self.plans.clear()
+        self.generators.clear()
         self.failed.clear()
         self.levels.clear()
         self.records.clear()
         self.stage_clock.reset()
-        getattr(self.method, "schedule", None) and self.method.schedule.reset()
-        hasattr(self.method, "reset") and self.method.reset()
+        self.strategy.schedule.reset()
         self.clock.begin(schedule)
         run_sampling = model_sampling if model_sampling is not None else self.model_sampling
         if run_sampling is not self._run_sampling:  # progress of a sigma belongs to one noise schedule
@@ -237,34 +167,51 @@ class MergeRuntime:
         return where
 
     # -- plans --------------------------------------------------------------------------------
-    def plan(self, key, features, hw, transformer_options, level_name: str):
-        """The plan for this call, or None to run unmerged. ``features`` is a zero-argument callable
-        returning the (B, N, C) features that decide similarity (only called when a plan is built)."""
+    def plan(self, group, block, grid, x, features, transformer_options, level: str, **details):
+        """The plan for this block call, or None to run it unmerged.
+
+        group: the block group (UNet level, DiT block group) whose blocks share one plan per step where
+        the strategy shares plans; block: this block, for strategies that match per block. grid: the
+        token grid (h, w). x: the block's tokens (B, N, C), whose batch layout is part of the plan key.
+        features: zero-argument callable returning the (B, N, C) features that decide similarity (called
+        only when a plan is built). level: the level's name in stats, logs and the merge map; details:
+        more about it for the stats (UNet: downsample)."""
+        key = (group if self.strategy.shares_plans else block, tuple(grid), batch_key(x, transformer_options))
         if key in self.failed:
             return None
         where = self.locate(transformer_options)
         if where is None:
             return None
         step, progress, total = where
-        cached = self.plans.get(key)
-        self.stage_clock.use(transformer_options["sigmas"].device)
-        start = self.stage_clock.start()
-        try:
-            plan = self.method.plan(cached, features, hw, step, progress, total, key)
-        except Exception as e:  # never crash mid-sampling: run this block unmerged from now on
-            log.warning("ToMA: merging disabled for %s (%s: %s)", key, type(e).__name__, e)
-            self.failed.add(key)
+        decision = self.strategy.schedule.decide(step, progress, key, total)
+        if not decision.merge:
             return None
-        if plan is None:
-            return None
-        if plan is not cached:
+        plan = cached = self.plans.get(key)
+        if cached is None or decision.new_destinations or decision.new_weights:
+            self.stage_clock.use(transformer_options["sigmas"].device)
+            start = self.stage_clock.start()
+            try:
+                given = None if cached is None or decision.new_destinations else getattr(cached, "destinations", None)
+                feats = features()
+                plan = self.strategy.build(feats, grid, self.generator(feats.device), given)
+            except Exception as e:  # never crash mid-sampling: run this block unmerged from now on
+                log.warning("ToMA: merging disabled for %s (%s: %s)", key, type(e).__name__, e)
+                self.failed.add(key)
+                return None
             self.stage_clock.stop("select", start)
             self.plans[key] = plan
-            self.record(level_name, step, hw, plan)
-        stats = self.levels.setdefault(level_name, LevelStats())
-        stats.tokens, stats.merged_tokens = hw[0] * hw[1], plan.num_merged
+            self.record(level, step, grid, plan)
+        stats = self.levels.setdefault(level, LevelStats())
+        stats.tokens, stats.merged_tokens = math.prod(grid), plan.num_merged
         stats.steps.add(step)
+        stats.details = details
         return plan
+
+    def generator(self, device) -> torch.Generator:
+        """The run's generator on ``device``, seeded with the strategy's seed at the run's first build."""
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(self.strategy.seed)
+        return self.generators[device]
 
     def record(self, level_name, step, hw, plan):
         """Keep what the merge map needs of a newly built plan: one record per level and step."""
@@ -272,7 +219,7 @@ class MergeRuntime:
         if records and records[-1].step == step:
             return
         try:
-            records.append(record_plan(plan, step, hw, self.method))
+            records.append(record_plan(plan, step, hw, self.strategy))
         except Exception:  # the map is a diagnostic: never let it break sampling
             log.exception("ToMA: could not record the plan of %s for the merge map", level_name)
 
@@ -286,8 +233,8 @@ class MergeRuntime:
         wall = None if self.run_started is None else time.perf_counter() - self.run_started
         return {
             "method": self.name,
-            "levels": {k: {"tokens": v.tokens, "merged_tokens": v.merged_tokens, "steps": len(v.steps)}
-                       for k, v in sorted(self.levels.items())},
+            "levels": {k: {"tokens": v.tokens, "merged_tokens": v.merged_tokens, "steps": len(v.steps),
+                           **v.details} for k, v in sorted(self.levels.items())},
             "seconds": self.stage_clock.seconds(),
             "clock": self.stage_clock.kind,
             "wall_seconds": wall,

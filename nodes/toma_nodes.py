@@ -1,16 +1,17 @@
 """The node classes (V1 API: loaded by the pinned March-2024 ComfyUI and by current ComfyUI alike).
 
-Each node takes a MODEL and returns a patched clone; the input MODEL is never changed. Model families
-are handled by adapters (``unet``; DiTs in ``dit``); a model no adapter supports comes back unpatched
-with a log message saying why.
+Each node takes a MODEL and returns a patched clone; the input MODEL is never changed. The node checks
+its inputs and chooses a strategy (``toma_core.strategies``); the adapter of the model's family
+(``adapters``) patches; a model no adapter supports comes back unpatched with a log message naming the
+supported families.
 """
 import logging
 
-from ..toma_core import DEFAULT_TAU, CATOME_CONFIG3, ReuseSchedule
-from . import dit, unet
+from ..toma_core import CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, ReuseSchedule, ToMA, ToMeSD
+from .adapters import adapter_for, supported_families, unet
 from .live_stats import stats_sender
 from .plan_records import attach_runtime
-from .runtime import CAToMeMethod, MergeRuntime, ToMAMethod, ToMeSDMethod
+from .runtime import MergeRuntime
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -71,20 +72,20 @@ def watched(patched, runtime: MergeRuntime, unique_id):
     return patched
 
 
-def apply_method(model, method, name: str, levels: str = "auto", scope: str = "attention", unique_id=None):
-    """Patch ``model`` with ``method`` through the adapter of its family; unsupported: unpatched.
-    ``unique_id``: the patch node's id, to which the live stats of each sampling run are sent."""
-    if method is None:
+def apply_strategy(model, strategy, levels="auto", scope: str = "attention", unique_id=None):
+    """Patch ``model`` with ``strategy`` (None: ratio 0, a plain clone) through the adapter of its family;
+    unsupported: ``model`` unpatched. ``unique_id``: the patch node's id, to which the live stats of each
+    sampling run are sent. ``levels`` and ``scope`` are UNet notions (a DiT has one token grid)."""
+    if strategy is None:
         return model.clone()
-    runtime = MergeRuntime(method, model_sampling_of(model), name)
-    if unet.is_unet(model):
-        return watched(unet.patch_unet(model, runtime, levels, scope), runtime, unique_id)
-    if dit.is_supported(model):  # levels and scope are UNet notions: a DiT has one token grid
-        patched = dit.patch_dit(model, runtime)  # the input itself when the method cannot patch DiTs
-        return patched if patched is model else watched(patched, runtime, unique_id)
-    log.warning("ToMA: %s is not supported by %s (neither UNet transformer blocks nor a Flux/SD3 DiT "
-                "found); returning the model unpatched", type(model.model).__name__, name)
-    return model
+    adapter = adapter_for(model)
+    if adapter is None:
+        log.warning("ToMA: %s is not supported by %s (supported: %s); returning the model unpatched",
+                    type(model.model).__name__, strategy.name, supported_families())
+        return model
+    runtime = MergeRuntime(strategy, model_sampling_of(model))
+    patched = adapter.patch(model, runtime, levels, scope)
+    return patched if patched is model else watched(patched, runtime, unique_id)
 
 
 def _float(default, low, high, step, tooltip):
@@ -175,12 +176,12 @@ class ToMAPatchModelAdvanced:
                      scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
                      end_percent=end_percent, tau=tau)
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval)
-        method = None if ratio == 0 else ToMAMethod(ratio, int(window_size), schedule, tau, exact_unmerge)
-        return (apply_method(model, method, "ToMA", levels, scope, unique_id),)
+        strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge)
+        return (apply_strategy(model, strategy, levels, scope, unique_id),)
 
 
-def _downsample_levels(max_downsample: int) -> str:
-    return ",".join(str(d) for d in (1, 2, 4, 8) if d <= max_downsample)
+def _downsample_levels(max_downsample: int) -> frozenset[int]:
+    return frozenset(d for d in MAX_DOWNSAMPLE_CHOICES if d <= max_downsample)
 
 
 MAX_DOWNSAMPLE_CHOICES = (1, 2, 4, 8)
@@ -212,17 +213,19 @@ class ToMeSDPatchModel:
 
     def patch(self, model, ratio, max_downsample=1, sx=2, sy=2, seed=0, unique_id=None):
         check_inputs(ToMeSDPatchModel, ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy, seed=seed)
-        method = None if ratio == 0 else ToMeSDMethod(ratio, int(sx), int(sy), int(seed))
-        return (apply_method(model, method, "ToMeSD", _downsample_levels(max_downsample), unique_id=unique_id),)
+        strategy = None if ratio == 0 else ToMeSD(ratio, int(sx), int(sy), int(seed))
+        return (apply_strategy(model, strategy, _downsample_levels(max_downsample), unique_id=unique_id),)
 
 
 def parse_checkpoints(text: str) -> tuple[int, ...]:
+    problem = (f"checkpoints must be comma-separated step numbers between 0 and {CATOME_REFERENCE_STEPS} (steps "
+               f"of a {CATOME_REFERENCE_STEPS}-step run, counted from 1), got {text!r}")
     try:
         steps = tuple(sorted({int(s) for s in text.replace(" ", "").split(",") if s}))
     except ValueError:
-        raise ValueError(f"checkpoints must be comma-separated step numbers between 0 and 49, got {text!r}")
-    if not steps or steps[0] < 0 or steps[-1] > 49:
-        raise ValueError(f"checkpoints must be comma-separated step numbers between 0 and 49, got {text!r}")
+        raise ValueError(problem) from None
+    if not steps or steps[0] < 0 or steps[-1] > CATOME_REFERENCE_STEPS:
+        raise ValueError(problem)
     return steps
 
 
@@ -239,17 +242,18 @@ class CAToMePatchModel:
                              "threshold": _float(0.7, -1.0, 1.0, 0.01, "Sources at least this cosine-similar "
                                                  "to a destination are merged; 1 = almost nothing merged."),
                              "checkpoints": ("STRING", {"default": ",".join(map(str, CATOME_CONFIG3)),
-                                             "tooltip": "Steps of a 50-step run at which matches are "
-                                                        "recomputed (rescaled to the run's steps); the paper's "
-                                                        "CONFIG 3 by default."}),
+                                             "tooltip": f"Steps of a {CATOME_REFERENCE_STEPS}-step run, counted "
+                                                        "from 1 as the reference code counts them, at which "
+                                                        "matches are recomputed (rescaled to the run's steps); "
+                                                        "the paper's CONFIG 3 by default."}),
                              **TOME_COMMON},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def patch(self, model, threshold, checkpoints=",".join(map(str, CATOME_CONFIG3)), max_downsample=1, sx=2,
               sy=2, seed=0, unique_id=None):
         check_inputs(CAToMePatchModel, threshold=threshold, max_downsample=max_downsample, sx=sx, sy=sy, seed=seed)
-        method = CAToMeMethod(threshold, int(sx), int(sy), int(seed), parse_checkpoints(checkpoints))
-        return (apply_method(model, method, "CA-ToMe", _downsample_levels(max_downsample), unique_id=unique_id),)
+        strategy = CAToMe(threshold, int(sx), int(sy), int(seed), CheckpointSchedule(parse_checkpoints(checkpoints)))
+        return (apply_strategy(model, strategy, _downsample_levels(max_downsample), unique_id=unique_id),)
 
 
 NODE_CLASS_MAPPINGS = {

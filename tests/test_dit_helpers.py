@@ -13,7 +13,7 @@ pytestmark = pytest.mark.comfy
 
 @pytest.fixture(scope="module")
 def dit(pack):
-    return pack.nodes.dit
+    return pack.nodes.adapters.dit
 
 
 def test_skip_rule_reproduces_the_paper_at_flux_depth(dit):
@@ -77,8 +77,9 @@ def test_unsupported_model_is_returned_unpatched_with_a_message(pack, caplog):
     sampling = types.SimpleNamespace(percent_to_sigma=lambda p: 1.0 - p)
     model = types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=torch.nn.Linear(2, 2),
                                                               model_sampling=sampling))
-    assert not pack.nodes.dit.is_supported(model)
+    assert pack.nodes.adapters.adapter_for(model) is None
     with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
         out = nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
     assert out is model
-    assert "not supported" in caplog.text and "Flux/SD3" in caplog.text
+    assert "not supported" in caplog.text
+    assert all(adapter.FAMILY in caplog.text for adapter in pack.nodes.adapters.ADAPTERS)

@@ -38,10 +38,10 @@ def sample(model, arch, hw, batch=1, tokens=77, steps=2, cfg=1.0, seed=0, refere
                                seed=seed, disable_pbar=True)
 
 
-def toma_runtime(pack, model, ratio=0.5, window=4, reuse=5):
-    core, runtime = pack.toma_core, pack.nodes.runtime
-    method = runtime.ToMAMethod(ratio, window, core.ReuseSchedule(0.0, 1.0, reuse, 1), core.DEFAULT_TAU, False)
-    return runtime.MergeRuntime(method, model.get_model_object("model_sampling"), "ToMA")
+def toma_patched(pack, model, ratio=0.5, window=4, reuse=5):
+    """(model patched by the ToMA node, its runtime)."""
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
+    return patched, pack.nodes.plan_records.runtime_of(patched)
 
 
 def relative_error(a, b):
@@ -53,7 +53,7 @@ def dit_patches(model) -> dict:
 
 
 def expected_blocks(pack, arch, model) -> set:
-    dm, merged = model.model.diffusion_model, pack.nodes.dit.merged_blocks
+    dm, merged = model.model.diffusion_model, pack.nodes.adapters.dit.merged_blocks
     if arch == "flux":
         return ({("double_block", i) for i in merged(len(dm.double_blocks), "double")}
                 | {("single_block", i) for i in merged(len(dm.single_blocks), "single")})
@@ -93,8 +93,7 @@ PAIRWISE = [("1024x1024", 1, 77), ("1024x1024", 2, 256), ("832x1216", 1, 256), (
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
 def test_half_ratio_merges_every_group(pack, built, arch, size, batch, tokens):
     model, hw = built[arch], SIZES[size]
-    runtime = toma_runtime(pack, model)
-    patched = pack.nodes.dit.patch_dit(model, runtime)
+    patched, runtime = toma_patched(pack, model)
     out = sample(patched, arch, hw, batch, tokens)
     reference = sample(model, arch, hw, batch, tokens)
     assert out.shape == reference.shape and torch.isfinite(out).all()
@@ -116,8 +115,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, built, ar
     token keeps its own RoPE row, so the output matches the unpatched model: this checks the pe gather,
     the unmerge order, batch rows and CFG batches together."""
     model = built[arch]
-    runtime = toma_runtime(pack, model, ratio=0.1, window=2)
-    patched = pack.nodes.dit.patch_dit(model, runtime)
+    patched, runtime = toma_patched(pack, model, ratio=0.1, window=2)
     out = sample(patched, arch, SIZES["odd"], batch=2, cfg=2.0)
     assert relative_error(out, sample(model, arch, SIZES["odd"], batch=2, cfg=2.0)) < 1e-5
     assert all(s["steps"] == 2 for s in runtime.summary()["levels"].values()) and runtime.summary()["levels"]
@@ -128,11 +126,11 @@ def test_kontext_reference_tokens_stay_unmerged(pack, built):
     above, and at ratio 0.5 only the image grid is counted and merged."""
     model = built["flux"]
     reference = models.structured_latent(1, 20, 14, seed=3, channels=16)
-    exact = toma_runtime(pack, model, ratio=0.1, window=2)
-    out = sample(pack.nodes.dit.patch_dit(model, exact), "flux", SIZES["odd"], reference=reference)
+    exact, _ = toma_patched(pack, model, ratio=0.1, window=2)
+    out = sample(exact, "flux", SIZES["odd"], reference=reference)
     assert relative_error(out, sample(model, "flux", SIZES["odd"], reference=reference)) < 1e-5
-    half = toma_runtime(pack, model)
-    out = sample(pack.nodes.dit.patch_dit(model, half), "flux", SIZES["odd"], reference=reference)
+    half_patched, half = toma_patched(pack, model)
+    out = sample(half_patched, "flux", SIZES["odd"], reference=reference)
     assert torch.isfinite(out).all()
     assert {k: v["tokens"] for k, v in half.summary()["levels"].items()} == {"double 14x20": 280,
                                                                                "single 14x20": 280}
@@ -156,7 +154,7 @@ def _flux_call(pack, model, h, w, txt_len, extra_hw, batch=2):
             "vec": torch.randn(batch, C, generator=g), "pe": pe,
             "attn_mask": torch.arange(L * L, dtype=torch.float32).view(1, L, L),
             "transformer_options": {"sigmas": torch.tensor([1.0]),
-                                    pack.nodes.dit.LAYOUT_KEY: pack.nodes.dit.ImageLayout(h, w, n_img - h * w)}}
+                                    pack.nodes.adapters.dit.LAYOUT_KEY: pack.nodes.adapters.dit.ImageLayout(h, w, n_img - h * w)}}
     return args, lambda rows: dm.pe_embedder(ids[rows][None])[0, 0]
 
 
@@ -165,10 +163,10 @@ def test_merged_block_call_gets_destination_positions(pack, built, block):
     """A spy in place of the Flux block sees: text rows untouched, each merged image token with the RoPE
     of its destination's (row, col), Kontext rows untouched, the mask cut to the same rows; the patch
     returns full-length tokens with the block's update unmerged onto every image token."""
-    model, dit = built["flux"], pack.nodes.dit
+    model, dit = built["flux"], pack.nodes.adapters.dit
     h, w, txt_len = 5, 7, 9
     args, rope_of = _flux_call(pack, model, h, w, txt_len, extra_hw=(2, 3))
-    runtime = toma_runtime(pack, model, ratio=0.5, window=4)
+    _, runtime = toma_patched(pack, model, ratio=0.5, window=4)
     patch, seen = dit.DiTPatch(runtime), {}
 
     def spy(inputs):
@@ -206,7 +204,7 @@ def test_merged_block_call_gets_destination_positions(pack, built, block):
 
 def test_sd3_last_block_returns_no_text(pack, built):
     """SD3's last joint block has a pre-only context stream and returns txt=None: the patch passes it on."""
-    model, dit = built["sd3"], pack.nodes.dit
+    model, dit = built["sd3"], pack.nodes.adapters.dit
     dm = model.model.diffusion_model
     last = len(dm.joint_blocks) - 1
     assert last in dit.merged_blocks(len(dm.joint_blocks), "double")
@@ -221,7 +219,7 @@ def test_sd3_last_block_returns_no_text(pack, built):
                                          transformer_options=a["transformer_options"])
         return {"txt": txt, "img": img}
 
-    runtime = toma_runtime(pack, model)
+    _, runtime = toma_patched(pack, model)
     with torch.no_grad():
         out = dit.DiTPatch(runtime).double_block(dict(args), {"original_block": block})
     assert out["txt"] is None and out["img"].shape == args["img"].shape
@@ -231,13 +229,12 @@ def test_sd3_last_block_returns_no_text(pack, built):
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
 def test_no_state_leaks_between_runs(pack, built, arch):
     model = built[arch]
-    runtime = toma_runtime(pack, model)
-    patched = pack.nodes.dit.patch_dit(model, runtime)
+    patched, runtime = toma_patched(pack, model)
     first = sample(patched, arch, SIZES["odd"])
     sample(patched, arch, SIZES["1024x1024"], batch=2, tokens=256, seed=7)
     assert torch.equal(sample(patched, arch, SIZES["odd"]), first)
     assert {key[2] for key in runtime.plans} == {(14, 20)}
-    assert pack.nodes.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
+    assert pack.nodes.adapters.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
 
 
 @pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
@@ -262,8 +259,8 @@ def test_real_1024_latent_with_tiny_width(pack, arch):
                       context_embedder_config={"target": "torch.nn.Linear",
                                                "params": {"in_features": 64, "out_features": 64}})
         model = models.build_sd3(seed=6, config=config)
-    runtime = toma_runtime(pack, model)
-    out = sample(pack.nodes.dit.patch_dit(model, runtime), arch, (128, 128), tokens=256, steps=1, config=config)
+    patched, runtime = toma_patched(pack, model)
+    out = sample(patched, arch, (128, 128), tokens=256, steps=1, config=config)
     assert out.shape == (1, 16, 128, 128) and torch.isfinite(out).all()
     levels = runtime.summary()["levels"]
     assert levels and all(v["tokens"] == 4096 and v["merged_tokens"] == 2048 for v in levels.values())

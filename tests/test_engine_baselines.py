@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toma_core import CATOME_CONFIG3, catome_checkpoints, catome_plan, tomesd_plan
+from toma_core import CATOME_CONFIG3, CheckpointSchedule, catome_checkpoints, catome_plan, tomesd_plan
 
 
 def reference_matching(x: torch.Tensor, hw, seed: int | None, sx: int = 2, sy: int = 2):
@@ -111,17 +111,41 @@ def test_catome_merges_exactly_the_sources_over_threshold():
         catome_plan(x, hw, threshold=1.5)
 
 
-def test_catome_checkpoints():
-    assert catome_checkpoints(50) == set(CATOME_CONFIG3)
+def reference_compute_steps(config, steps):
+    """The 0-based steps at which the CA-ToMe reference pipeline computes matches in a run of its own
+    length: it hands the blocks ``i + 1`` for step ``i`` and computes where that number is in the config,
+    or when nothing is cached yet (its first step)."""
+    cached, computed = False, set()
+    for i in range(steps):
+        if (i + 1) in config or not cached:
+            computed.add(i)
+            cached = True
+    return computed
+
+
+def test_catome_checkpoints_count_steps_from_one_as_the_reference_does():
+    assert catome_checkpoints(50) == reference_compute_steps(CATOME_CONFIG3, 50)
+    assert catome_checkpoints(50) == {0, 7, 10, 12, 19, 24, 29, 34, 44, 45, 46, 47, 48}
     for steps in (1, 10, 20, 30, 100):
         cps = catome_checkpoints(steps)
         assert 0 in cps
         assert all(0 <= s < steps for s in cps)
         assert len(cps) <= len(CATOME_CONFIG3)
     assert catome_checkpoints(1) == {0}
-    assert catome_checkpoints(100) == {2 * s for s in CATOME_CONFIG3}
+    # twice the steps: the reference's step c is step 2c counted from 1, 2c - 1 counted from 0
+    assert catome_checkpoints(100) == {0} | {2 * c - 1 for c in CATOME_CONFIG3 if c}
     with pytest.raises(ValueError, match="steps"):
         catome_checkpoints(0)
+
+
+def test_checkpoint_schedule_without_the_run_length_uses_the_reference_fractions():
+    """A host that gives no schedule: a step is a checkpoint when its progress passes (c - 1) / 50."""
+    sched = CheckpointSchedule()
+    new = [s for s in range(50) if sched.decide(s, s / 50, "g").new_destinations]
+    assert set(new) == catome_checkpoints(50)
+    sched.reset()
+    assert sched.decide(30, 0.6, "g").new_destinations  # after a reset, the first call always computes
+    assert [s for s in range(50) if CheckpointSchedule().decide(s, s / 50, "g", total=50).new_destinations] == new
 
 
 def test_bipartite_unmerge_refuses_tokens_it_did_not_merge():

@@ -21,7 +21,7 @@ def live_mask(plan: MergePlan) -> torch.Tensor:
 
 
 def reference_weights(x: torch.Tensor, plan: MergePlan, tau: float):
-    """toma.md section 3, one tile at a time: (M, U) as (B, T, D, S) and (B, T, S, D), dead slots zero."""
+    """The method as stated (module docstring of toma_core/plan.py), one tile at a time: (M, U) as (B, T, D, S) and (B, T, S, D), dead slots zero."""
     grid = plan.grid
     tiles = F.normalize(tile_tokens(x.double(), grid), dim=-1, eps=1e-6)
     B, T, S, _ = tiles.shape

@@ -56,8 +56,8 @@ def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, me
     node, inputs = UNET_METHODS[method]
     (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(models.build_unet("sd15", 0, config=UNET_TINY), **inputs)
     builds = []
-    catome_plan = pack.nodes.runtime.catome_plan
-    monkeypatch.setattr(pack.nodes.runtime, "catome_plan", lambda *a, **k: builds.append(1) or catome_plan(*a, **k))
+    build = pack.toma_core.CAToMe.build
+    monkeypatch.setattr(pack.toma_core.CAToMe, "build", lambda *a, **k: builds.append(1) or build(*a, **k))
     positive, negative = models.conditioning("sd15", 1, height=128, width=128)
     noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
 
@@ -80,11 +80,8 @@ def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, me
 def test_flux_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
     import comfy.sample
 
-    core, rt = pack.toma_core, pack.nodes.runtime
-    model = models.build_flux(seed=0)
-    method = rt.ToMAMethod(0.5, 4, core.ReuseSchedule(0.0, 1.0, 5, 1), core.DEFAULT_TAU, False)
-    runtime = rt.MergeRuntime(method, model.get_model_object("model_sampling"), "ToMA")
-    patched = pack.nodes.dit.patch_dit(model, runtime)
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_flux(seed=0), 0.5, 4, 5)
+    runtime = pack.nodes.plan_records.runtime_of(patched)
     positive, negative = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
     noise = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(0))
 

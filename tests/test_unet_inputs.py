@@ -87,7 +87,7 @@ def test_unet_without_middle_block(pack):
 
     model = models.build_unet("sd15", seed=0, config=dict(NARROW_SD15, transformer_depth_middle=-2))
     assert model.model.diffusion_model.middle_block is None
-    assert pack.nodes.unet.attention_levels(model.model.diffusion_model) == [1, 2, 4]
+    assert pack.nodes.adapters.unet.attention_levels(model.model.diffusion_model) == [1, 2, 4]
     (patched,) = pack.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, **TOMA)
     positive, negative = models.conditioning("sd15", 1, height=128, width=128)
     noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))

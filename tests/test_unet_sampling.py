@@ -43,10 +43,10 @@ def patch(pack, node, model, **inputs):
 
 
 def merged_levels(pack, patched) -> dict[int, dict]:
-    """{downsample factor: {"tokens", "merged_tokens", "steps"}} of the levels the last run merged, from
-    the runtime's summary (level names end with "(1/<factor>)")."""
+    """{downsample factor: {"tokens", "merged_tokens", "steps", "downsample"}} of the levels the last run
+    merged, from the runtime's summary."""
     summary = pack.nodes.plan_records.runtime_of(patched).summary()
-    return {int(re.search(r"\(1/(\d+)\)$", name).group(1)): stats for name, stats in summary["levels"].items()}
+    return {stats["downsample"]: stats for stats in summary["levels"].values()}
 
 
 def plan_layouts(pack, patched) -> set[tuple[int, tuple]]:

@@ -76,12 +76,10 @@ def load_pack():
 
 def toma_variant(pack, model, ratio: float, window: int, reuse: int):
     """(patched clone, list that receives each run's summary)."""
-    core, rt = pack.toma_core, pack.nodes.runtime
-    method = rt.ToMAMethod(ratio, window, core.ReuseSchedule(0.0, 1.0, reuse, 1), core.DEFAULT_TAU, False)
-    runtime = rt.MergeRuntime(method, model.get_model_object("model_sampling"), f"ToMA {ratio}")
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
     summaries = []
-    runtime.run_listeners.append(summaries.append)
-    return pack.nodes.dit.patch_dit(model, runtime), summaries
+    pack.nodes.plan_records.runtime_of(patched).run_listeners.append(summaries.append)
+    return patched, summaries
 
 
 def run_once(model, job: dict, device: str):

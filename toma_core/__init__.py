@@ -5,17 +5,22 @@
 - ``plan``: ToMA's merge plan, M = row-normalised softmax(tau * cos), unmerge U = A^T (or pinv).
 - ``schedule``: merge window and pattern reuse, keyed on sampler sigmas.
 - ``baselines``: ToMeSD and CA-ToMe behind the same merge/unmerge interface.
+- ``strategies``: the three methods behind one protocol (build a plan; a schedule says when).
 """
-from .baselines import CATOME_CONFIG3, BipartitePlan, catome_checkpoints, catome_plan, tomesd_plan
-from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, destinations_per_tile, plan_tiles
-from .schedule import ReuseSchedule, RunClock, StepDecision, step_from_sigmas
+from .baselines import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, BipartitePlan, CheckpointSchedule, catome_checkpoints,
+                        catome_plan, tomesd_plan)
+from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, TokenPlan, destinations_per_tile, plan_tiles
+from .schedule import EveryCall, ReuseSchedule, RunClock, StepDecision, step_from_sigmas
 from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
+from .strategies import CAToMe, ToMA, ToMeSD
 from .tiles import TileGrid, tile_tokens, untile_tokens
 
 __all__ = [
-    "CATOME_CONFIG3", "BipartitePlan", "catome_checkpoints", "catome_plan", "tomesd_plan",
-    "DEFAULT_TAU", "IdentityPlan", "MergePlan", "destinations_per_tile", "plan_tiles",
-    "ReuseSchedule", "RunClock", "StepDecision", "step_from_sigmas",
+    "CATOME_CONFIG3", "CATOME_REFERENCE_STEPS", "BipartitePlan", "CheckpointSchedule", "catome_checkpoints",
+    "catome_plan", "tomesd_plan",
+    "DEFAULT_TAU", "IdentityPlan", "MergePlan", "TokenPlan", "destinations_per_tile", "plan_tiles",
+    "EveryCall", "ReuseSchedule", "RunClock", "StepDecision", "step_from_sigmas",
+    "CAToMe", "ToMA", "ToMeSD",
     "cosine_similarity", "facility_location", "select_destinations", "stochastic_facility_location",
     "TileGrid", "tile_tokens", "untile_tokens",
 ]

@@ -6,20 +6,22 @@ best-matched sources are averaged into their destinations; unmerging copies a de
 to its sources. CA-ToMe (Saghatchian et al. 2025) uses the same matching but merges the sources whose
 best similarity reaches a threshold, and reuses the matches between checkpoint steps.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from .plan import check_merged_shape
+from .plan import TokenPlan, check_merged_shape
+from .schedule import StepDecision
 
-# CA-ToMe's best configuration (paper Table II, "CONFIG 3"): steps of a 50-step run at which the
-# matches are recomputed; other steps reuse the last ones.
+# CA-ToMe's best configuration (paper Table II, "CONFIG 3"): steps of a 50-step run, counted from 1 as
+# its reference pipeline counts them, at which the matches are recomputed; other steps reuse the last ones.
+CATOME_REFERENCE_STEPS = 50
 CATOME_CONFIG3 = (0, 8, 11, 13, 20, 25, 30, 35, 45, 46, 47, 48, 49)
 
 
 @dataclass
-class BipartitePlan:
+class BipartitePlan(TokenPlan):
     """Index plan of a bipartite merge, shared by both baselines.
 
     src_index: (1, Ns) raster index of each source; dst_index: (1, Nd) of each destination.
@@ -146,8 +148,40 @@ def catome_plan(
     return _bipartite(x, src_index, dst_index, score, target, r)
 
 
-def catome_checkpoints(steps: int, config: tuple[int, ...] = CATOME_CONFIG3, reference_steps: int = 50) -> frozenset:
-    """The checkpoint steps of ``config`` (given for a ``reference_steps`` run) rescaled to ``steps``."""
+def catome_checkpoints(steps: int, config: tuple[int, ...] = CATOME_CONFIG3,
+                       reference_steps: int = CATOME_REFERENCE_STEPS) -> frozenset:
+    """The 0-based steps of a ``steps``-step run at which CA-ToMe computes new matches.
+
+    The reference counts steps from 1 (its pipeline passes ``i + 1`` for step ``i``), so a checkpoint c
+    of a ``reference_steps`` run is 0-based step c - 1 there; rescaled, it is step round(c * steps /
+    reference_steps) - 1. Step 0 always computes: there is nothing to reuse yet."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    return frozenset(min(steps - 1, round(s * steps / reference_steps)) for s in config)
+    rescaled = (round(c * steps / reference_steps) - 1 for c in config)
+    return frozenset({0} | {min(steps - 1, s) for s in rescaled if s >= 0})
+
+
+@dataclass
+class CheckpointSchedule:
+    """When CA-ToMe computes new matches (the checkpoint steps) and reuses them (every other step).
+
+    With the run's step count the checkpoints are ``catome_checkpoints``; without it (a host that gives
+    no schedule) a step is a checkpoint when its progress passes one of the reference's checkpoint
+    fractions since the group's last call."""
+
+    checkpoints: tuple[int, ...] = CATOME_CONFIG3
+    reference_steps: int = CATOME_REFERENCE_STEPS
+    _progress_seen: dict = field(default_factory=dict, repr=False)
+
+    def reset(self) -> None:
+        self._progress_seen.clear()
+
+    def decide(self, step: int, progress: float, group, total: int | None = None) -> StepDecision:
+        if total is not None:
+            new = step in catome_checkpoints(total, self.checkpoints, self.reference_steps)
+        else:
+            last = self._progress_seen.get(group)
+            self._progress_seen[group] = progress
+            marks = [(c - 1) / self.reference_steps for c in self.checkpoints if c >= 1]
+            new = last is None or any(last < m <= progress for m in marks)
+        return StepDecision(True, new, new)

@@ -59,8 +59,17 @@ def check_merged_shape(y: torch.Tensor, batch: int, tokens: int) -> None:
         raise ValueError(f"unmerge expects (batch {batch}, {tokens} merged tokens, channels), got {tuple(y.shape)}")
 
 
+class TokenPlan:
+    """What every plan (ToMA, identity, ToMeSD/CA-ToMe) offers besides ``merge`` and ``unmerge``."""
+
+    def unmerge_update(self, x: torch.Tensor, merged_input: torch.Tensor, merged_output: torch.Tensor) -> torch.Tensor:
+        """x + U(f(Mx) - Mx): the update a block computed on merged tokens, carried back onto the
+        full-resolution stream ``x`` (B, N, C); merged_input = Mx, merged_output = f(Mx), (B, N', C)."""
+        return x + self.unmerge(merged_output - merged_input)
+
+
 @dataclass
-class MergePlan:
+class MergePlan(TokenPlan):
     """Merge/unmerge operators for one token grid, one per batch row.
 
     destinations: (B, T, D) long, index inside the tile of each destination; -1 for a slot the tile
@@ -105,7 +114,7 @@ class MergePlan:
         return raster if self.live is None else raster.index_select(1, self.live)
 
 
-class IdentityPlan:
+class IdentityPlan(TokenPlan):
     """The plan for ratio 0: nothing is merged, merge and unmerge return their input unchanged."""
 
     def __init__(self, grid: TileGrid, batch_size: int, device: torch.device | None = None):

@@ -57,7 +57,7 @@ class ReuseSchedule:
         """progress: fraction of the schedule done at this step, in [0, 1)."""
         return self.start_percent <= progress and (progress < self.end_percent or self.end_percent >= 1.0)
 
-    def decide(self, step: int, progress: float, group: Hashable) -> StepDecision:
+    def decide(self, step: int, progress: float, group: Hashable, total: int | None = None) -> StepDecision:
         if not self.in_window(progress):
             return StepDecision(False, False, False)
         last = self._last.get(group)
@@ -68,6 +68,16 @@ class ReuseSchedule:
             self._last[group] = (last[0], step)
             return StepDecision(True, False, True)
         return StepDecision(True, False, False)
+
+
+class EveryCall:
+    """ToMeSD's schedule: merge in every block call, with a new plan each time."""
+
+    def reset(self) -> None:
+        """Nothing to forget: no decision depends on an earlier one."""
+
+    def decide(self, step: int, progress: float, group: Hashable, total: int | None = None) -> StepDecision:
+        return StepDecision(True, True, True)
 
 
 def step_from_sigmas(sigma: float, sample_sigmas: Sequence[float]) -> int:

@@ -1,40 +1,32 @@
-"""Adapter for DiT models: Flux (dev, schnell, Kontext, Fill) and SD3/SD3.5 (MMDiT), through ComfyUI's
-"dit" block-replace patches (current ComfyUI only: the March-2024 tree has no DiT).
+"""What every DiT adapter shares: ComfyUI's "dit" block-replace patches around blocks that see the image
+tokens of a model call (current ComfyUI only: the March-2024 tree has no DiT).
 
 What runs merged:
-- Double-stream blocks (Flux DoubleStreamBlock, SD3 JointBlock). A replace patch sees only the whole
-  block, so the image stream x (B, N, C) is merged before it and the block's *update* is unmerged onto
-  the full-resolution stream: x + U(block(Mx) - Mx). Attention, the image MLP (and SD3.5's second
-  self-attention) run on merged image tokens; the text stream runs in full. The official ToMA keeps the
-  double-block MLP at full resolution; doing that here would mean re-implementing ComfyUI's block
-  forward (modulation, q/k norm, RoPE, flipped layouts) and chasing its changes. The MLP holds 2/3 of
-  the image stream's projection FLOPs (8C^2 of 12C^2 per token), so merging it is most of the speed-up;
-  docs/benchmarks.md shows what it costs in fidelity.
-- Single-stream blocks (Flux): the block input is [txt, image, Kontext]; only the image part is merged,
-  and the whole block (attention and the parallel MLP) runs on the shorter sequence, as the official
-  code does.
-- Text tokens are never merged, whatever their length (read from the tensors of each call). Kontext
-  reference tokens, which follow the image tokens, are left unmerged too (the simplest correct choice:
-  they keep full rows in attention; merging them would need a plan per reference grid).
-- Positions: Flux rotates q and k inside attention with per-token rows of ``pe`` (layout [txt, image]
-  along dim 2); a merged token takes its destination's row, and ``attn_mask`` (if any) is sliced the
-  same way. SD3 adds its position embedding once at the input, so nothing positional reaches the blocks.
+- Double-stream blocks (image and text streams apart). A replace patch sees only the whole block, so
+  the image stream x (B, N, C) is merged before it and the block's *update* is unmerged onto the
+  full-resolution stream: x + U(block(Mx) - Mx) (``TokenPlan.unmerge_update``). Attention and the image
+  MLP run on merged image tokens; the text stream runs in full.
+- Single-stream blocks: the block input is [txt, image, extra]; only the image part is merged, and the
+  whole block (attention and the parallel MLP) runs on the shorter sequence, as the official code does.
+- Text tokens are never merged, whatever their length (read from the tensors of each call); ``extra``
+  tokens after the image (Flux Kontext references) are left unmerged too: they keep full rows in
+  attention, and merging them would need a plan per reference grid.
+- Positions: RoPE tables ``pe`` hold per-token rows (layout [txt, image] along dim 2); a merged token
+  takes its destination's row, and ``attn_mask`` (if any) is sliced the same way.
 
 Which blocks: the paper merges Flux double blocks 5-18 of 19 and single blocks 5-37 of 38. Other depths
 skip the same fraction of each group (depth * 5/19 double blocks, depth * 5/38 single blocks, rounded
-half up); SD3's joint blocks use the double-block fraction. Blocks that already carry a "dit" replace
-patch from another node are left alone. Only ToMA patches DiTs: ToMeSD and CA-ToMe are UNet baselines.
+half up). Blocks that already carry a "dit" replace patch from another node are left alone. Only ToMA
+patches DiTs: ToMeSD and CA-ToMe are UNet baselines.
 
 Plans: one per group (double, single), token grid and batch layout, built at a recompute step by the
-group's first merged block and shared by its later blocks (MergeRuntime and ToMAMethod do the caching
-and the reuse schedule; plans hold one set of destinations per batch row). Selection features: the
-block's image input, layer-normalised without affine, so cosine compares token content rather than the
-large per-channel offsets of the residual stream.
+group's first merged block and shared by its later blocks (the runtime caches, the strategy's schedule
+says when). Selection features: the block's image input, layer-normalised without affine, so cosine
+compares token content rather than the large per-channel offsets of the residual stream.
 
 Token grid: from the model's own input, stashed in ``transformer_options`` for the block patches by a
-wrapper: Flux's DIFFUSION_MODEL wrapper sees the latent and the Kontext references; SD3 has no
-DIFFUSION_MODEL executor, so an APPLY_MODEL wrapper reads the latent. Latents are padded to the patch
-size p, so a side of H latent pixels gives ceil(H / p) tokens: odd and non-square sizes work.
+wrapper of the call that sees the latent (``LayoutStash``). Latents are padded to the patch size p, so a
+side of H latent pixels gives ceil(H / p) tokens: odd and non-square sizes work.
 """
 import inspect
 import logging
@@ -43,8 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .host import WRAPPER_KEY, install_run_hooks
-from .runtime import MergeRuntime, ToMAMethod, batch_key
+from ..host import WRAPPER_KEY, install_run_hooks
+from ..runtime import MergeRuntime
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -79,30 +71,6 @@ def patched_side(pixels: int, patch: int) -> int:
 def merged_blocks(depth: int, group: str) -> range:
     """Indices of the blocks of a group of ``depth`` blocks that merge (the first ones never do)."""
     return range(int(depth * SKIP_FRACTION[group] + 0.5), depth)
-
-
-def family(model) -> str | None:
-    """The DiT family of ``model``: "flux", "sd3", or None (UNets, other DiTs, hosts without DiTs)."""
-    dm = getattr(model.model, "diffusion_model", None)
-    try:
-        from comfy.ldm.flux.model import Flux
-
-        if isinstance(dm, Flux) and hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks"):
-            return "flux"
-    except ImportError:
-        pass
-    try:
-        from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
-
-        if isinstance(dm, MMDiT) and hasattr(dm, "joint_blocks"):
-            return "sd3"
-    except ImportError:
-        pass
-    return None
-
-
-def is_supported(model) -> bool:
-    return family(model) is not None
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
@@ -194,8 +162,8 @@ class DiTPatch:
 
     def plan_for(self, group: str, image: torch.Tensor, layout: ImageLayout, options: dict):
         hw = (layout.h, layout.w)
-        key = ("dit", group, hw, batch_key(image, options))
-        return self.runtime.plan(key, lambda: F.layer_norm(image, image.shape[-1:]), hw, options,
+        return self.runtime.plan(("dit", group), ("dit", group), hw, image,
+                                 lambda: F.layer_norm(image, image.shape[-1:]), options,
                                  f"{group} {layout.h}x{layout.w}")
 
     def double_block(self, args: dict, extras: dict) -> dict:
@@ -234,69 +202,72 @@ class DiTPatch:
         merged, inputs = self.runtime.timed("merge", merge, None)
         out = run({**args, **inputs})
         y, stop = out["img"], start + merged.shape[1]
-        restored = image + self.runtime.timed("unmerge", plan.unmerge, y[:, start:stop] - merged)
+        restored = self.runtime.timed("unmerge", lambda ym: plan.unmerge_update(image, merged, ym), y[:, start:stop])
         return {**out, "img": torch.cat([y[:, :start], restored, y[:, stop:]], 1)}
 
 
-def block_groups(kind: str, dm, patch: DiTPatch):
-    """[(replace-patch block name, group, depth, patch function)] of a model family."""
-    if kind == "flux":
-        return [("double_block", "double", len(dm.double_blocks), patch.double_block),
-                ("single_block", "single", len(dm.single_blocks), patch.single_block)]
-    return [("double_block", "double", len(dm.joint_blocks), patch.double_block)]
+@dataclass(frozen=True)
+class BlockGroup:
+    """One group of blocks a DiT adapter merges: ``block`` is the "dit" replace-patch name of its blocks
+    ("double_block", "single_block"), ``group`` the name plans and stats use, ``depth`` its number of
+    blocks, ``skip`` the fraction of them (the first ones) never merged, ``patch`` the replace patch."""
+
+    block: str
+    group: str
+    depth: int
+    patch: object
+    skip: float
+
+    def merged(self) -> range:
+        """Indices of the blocks that merge (the first ones never do)."""
+        return range(int(self.depth * self.skip + 0.5), self.depth)
 
 
-def layout_wrapper(kind: str, model):
-    """(wrapper type, key, LayoutStash) for ModelPatcher.add_wrapper_with_key, or None without wrappers.
-    Flux runs its DIFFUSION_MODEL executor around ``_forward`` (which sees the Kontext references); SD3
-    has none, so the APPLY_MODEL executor around ``BaseModel._apply_model`` (same latent size) serves."""
+def merged_blocks(depth: int, group: str) -> range:
+    """Indices of the blocks of a group of ``depth`` blocks that merge, at the paper's Flux fractions."""
+    return BlockGroup("", group, depth, None, SKIP_FRACTION[group]).merged()
+
+
+def layout_wrapper(where: str, target, patch_size: int, model):
+    """(wrapper type, key, LayoutStash) for ModelPatcher.add_wrapper_with_key around ``target``, the
+    function the ``where`` executor runs (its signature names the arguments); None in a host without
+    wrappers."""
     try:
         from comfy.patcher_extension import WrappersMP
     except ImportError:
         return None
-    dm = model.model.diffusion_model
-    if kind == "flux" and hasattr(dm, "_forward"):
-        where, target = WrappersMP.DIFFUSION_MODEL, dm._forward
-    else:
-        where, target = WrappersMP.APPLY_MODEL, getattr(model.model, "_apply_model", None)
     if target is None or not hasattr(model, "add_wrapper_with_key"):
         return None
-    return where, WRAPPER_KEY, LayoutStash(target, dm.patch_size)
+    return getattr(WrappersMP, where), WRAPPER_KEY, LayoutStash(target, patch_size)
 
 
-def patch_dit(model, runtime: MergeRuntime):
-    """Returns the patched clone of a Flux or SD3 ``model``, or ``model`` unpatched (with a log message)
-    when the method or the host cannot serve it."""
-    kind = family(model)
+def patch_blocks(model, runtime: MergeRuntime, family: str, groups: list[BlockGroup], stash):
+    """The patched clone of a DiT ``model`` whose ``groups`` merge, with ``stash`` (from
+    ``layout_wrapper``) handing them the token grid; ``model`` itself, unpatched with a log message,
+    when the strategy or the host cannot serve it."""
     name = type(model.model).__name__
-    if kind is None:
-        log.warning("ToMA: %s is not a supported DiT (Flux, SD3/SD3.5); returning the model unpatched", name)
+    if not runtime.strategy.patches_dits:
+        log.warning("ToMA: %s is a UNet baseline and does not patch DiTs; %s (%s) returned unpatched (use "
+                    "the ToMA node on DiTs)", runtime.name, name, family)
         return model
-    if not isinstance(runtime.method, ToMAMethod):
-        log.warning("ToMA: %s is a UNet baseline and does not patch DiTs; %s returned unpatched (use the "
-                    "ToMA node on Flux/SD3)", runtime.name, name)
-        return model
-    dm = model.model.diffusion_model
-    stash = layout_wrapper(kind, model)
     if stash is None:
         log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
                     "unpatched", name)
         return model
-    patch = DiTPatch(runtime)
     m = model.clone()
     taken = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
     merged, left = [], []
-    for block_name, group, depth, fn in block_groups(kind, dm, patch):
-        for i in merged_blocks(depth, group):
-            if (block_name, i) in taken:
-                left.append(f"{block_name} {i}")
+    for g in groups:
+        for i in g.merged():
+            if (g.block, i) in taken:
+                left.append(f"{g.block} {i}")
                 continue
-            m.set_model_patch_replace(fn, "dit", block_name, i)
-            merged.append(f"{block_name} {i}")
+            m.set_model_patch_replace(g.patch, "dit", g.block, i)
+            merged.append(f"{g.block} {i}")
     m.add_wrapper_with_key(*stash)
     install_run_hooks(m, runtime)
     if left:
         log.info("ToMA: %s left unmerged (already patched by another node)", ", ".join(left))
-    log.info("ToMA: %s patched on %s: %d of %d blocks merge", runtime.name, name, len(merged),
-             sum(depth for _, _, depth, _ in block_groups(kind, dm, patch)))
+    log.info("ToMA: %s patched on %s (%s): %d of %d blocks merge", runtime.name, name, family, len(merged),
+             sum(g.depth for g in groups))
     return m

@@ -13,8 +13,8 @@ import logging
 import math
 import types
 
-from .host import install_run_hooks, original_attr
-from .runtime import MergeRuntime, batch_key
+from ..host import install_run_hooks, original_attr
+from ..runtime import MergeRuntime
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -46,7 +46,10 @@ def attention_levels(diffusion_model) -> list[int]:
     return sorted(levels)
 
 
-def resolve_levels(choice: str, available: list[int]) -> frozenset[int]:
+def resolve_levels(choice, available: list[int]) -> frozenset[int]:
+    """The downsample factors to merge: ``choice`` is one of LEVEL_CHOICES or a set of factors."""
+    if not isinstance(choice, str):
+        return frozenset(int(v) for v in choice)
     if choice == "auto":
         return frozenset(available[:1])
     if choice == "auto+next":
@@ -138,11 +141,9 @@ class UNetPatch:
                                 "ToMe or a token-merge node nearer the sampler)", self.runtime.name, level,
                                 x.shape[1], x.shape[0], arrived[1], arrived[0])
             return None
-        shared = self.runtime.method.shared_per_level
-        where = ("level", ds) if shared else (tuple(transformer_options.get("block") or ()),
-                                               transformer_options.get("block_index", 0))
-        key = (where, (h, w), batch_key(x, transformer_options))
-        return self.runtime.plan(key, features, (h, w), transformer_options, level)
+        block = (tuple(transformer_options.get("block") or ()), transformer_options.get("block_index", 0))
+        return self.runtime.plan(("level", ds), block, (h, w), x, features, transformer_options, level,
+                                 downsample=ds)
 
     # scope "attention" -------------------------------------------------------------------------
     def observe(self, n, context_attn1, value_attn1, extra_options):
@@ -184,7 +185,7 @@ class UNetPatch:
             xm = patch.runtime.timed("merge", plan.merge, x)
             # the block gets its own copy: the March-2024 block adds its attention outputs in place
             ym = original(xm.clone(), context=context, transformer_options=transformer_options)
-            return x + patch.runtime.timed("unmerge", plan.unmerge, ym - xm)
+            return patch.runtime.timed("unmerge", lambda y: plan.unmerge_update(x, xm, y), ym)
 
         return forward
 
@@ -202,16 +203,20 @@ class UNetPatch:
         return True
 
 
-def is_unet(model) -> bool:
+FAMILY = "SD1.x/SD2.x/SDXL UNet"
+
+
+def supports(model) -> bool:
     dm = getattr(model.model, "diffusion_model", None)
     return dm is not None and hasattr(dm, "input_blocks") and bool(transformer_blocks(dm))
 
 
-def patch_unet(model, runtime: MergeRuntime, levels_choice: str, scope: str):
-    """Returns the patched clone of ``model`` (a ComfyUI ModelPatcher), or raises ValueError."""
+def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "attention"):
+    """The patched clone of ``model`` (a ComfyUI ModelPatcher). levels: a LEVEL_CHOICES string or a set
+    of downsample factors; scope: "attention" or "block" (anything else is a ValueError naming it)."""
     dm = model.model.diffusion_model
     available = attention_levels(dm)
-    levels = resolve_levels(levels_choice, available)
+    levels = resolve_levels(levels, available)
     if not levels & set(available):  # e.g. ToMeSD's max_downsample 1 on SDXL: a silent no-op otherwise
         log.warning("ToMA: %s merges nothing: this UNet has attention only at downsample %s, none of %s",
                     runtime.name, ", ".join(map(str, available)), ", ".join(map(str, sorted(levels))))

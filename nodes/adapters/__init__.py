@@ -1,0 +1,21 @@
+"""Model-family adapters, one module per family, and the registry the nodes look a model up in.
+
+An adapter module offers:
+    FAMILY                                   its display name in messages and the README
+    supports(model) -> bool                  whether the ModelPatcher's diffusion model is of this family
+    patch(model, runtime, levels, scope)     the patched clone; ``model`` itself, unpatched with a log
+                                             message, when the strategy or the host cannot serve it
+Adding a family is one module here, its line in ADAPTERS and its tests.
+"""
+from . import flux, sd3, unet
+
+ADAPTERS = (unet, flux, sd3)
+
+
+def adapter_for(model):
+    """The adapter module of ``model``'s family, or None."""
+    return next((adapter for adapter in ADAPTERS if adapter.supports(model)), None)
+
+
+def supported_families() -> str:
+    return ", ".join(adapter.FAMILY for adapter in ADAPTERS)

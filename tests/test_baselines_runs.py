@@ -1,0 +1,67 @@
+"""The baselines sample as their references do, through ComfyUI's sampler on a small SD1.5-layout UNet:
+ToMeSD draws its random cells from one generator per sampling run, advanced by every block call (as
+tomesd advances one generator), and CA-ToMe computes matches at the steps its reference pipeline does
+(it counts steps from 1)."""
+import pytest
+import torch
+
+from toma_bench import models
+
+pytestmark = pytest.mark.comfy
+
+UNET_TINY = dict(models.SD15_SMALL, model_channels=32, num_heads=2)
+
+
+def sample(model, steps, callback=None):
+    import comfy.sample
+
+    positive, negative = models.conditioning("sd15", 1, height=128, width=128)
+    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    return comfy.sample.sample(model, noise, steps, 1.0, "euler", "normal", positive, negative,
+                               torch.zeros(1, 4, 16, 16), seed=0, disable_pbar=True, callback=callback)
+
+
+def recording_builds(monkeypatch, strategy_class, record):
+    """Make every plan ``strategy_class`` builds call ``record(plan)`` first."""
+    build = strategy_class.build
+
+    def recorded(self, *args, **kwargs):
+        plan = build(self, *args, **kwargs)
+        record(plan)
+        return plan
+
+    monkeypatch.setattr(strategy_class, "build", recorded)
+
+
+def test_tomesd_draws_new_cells_in_every_block_call_and_the_same_ones_in_every_run(pack, monkeypatch):
+    cells = []
+    recording_builds(monkeypatch, pack.toma_core.ToMeSD, lambda plan: cells.append(tuple(plan.dst_index[0].tolist())))
+    (patched,) = pack.NODE_CLASS_MAPPINGS["ToMeSDPatchModel"]().patch(models.build_unet("sd15", 0, config=UNET_TINY),
+                                                                      ratio=0.5, max_downsample=2)
+    first = sample(patched, steps=3)
+    first_cells, cells[:] = list(cells), []
+    second = sample(patched, steps=3)
+    blocks_per_step = len(first_cells) // 3
+    assert blocks_per_step >= 2 and len(first_cells) == 3 * blocks_per_step
+    # one generator advanced through the run: (almost) every block call of every step draws other cells
+    assert len(set(first_cells)) >= len(first_cells) - 1
+    # seeded per run: the second run draws the same sequence and gives the same latent
+    assert cells == first_cells and torch.equal(first, second)
+
+
+@pytest.mark.parametrize("steps", [10, 20])
+def test_catome_computes_at_the_reference_steps(pack, monkeypatch, steps):
+    core = pack.toma_core
+    done, built_at = [0], []
+    recording_builds(monkeypatch, core.CAToMe, lambda plan: built_at.append(done[0]))
+    (patched,) = pack.NODE_CLASS_MAPPINGS["CAToMePatchModel"]().patch(models.build_unet("sd15", 0, config=UNET_TINY),
+                                                                      threshold=0.5)
+
+    def count_steps(step, *args):
+        done[0] = step + 1
+
+    sample(patched, steps, callback=count_steps)
+    # the reference computes at step i (from 0) when i + 1 is a checkpoint of its 50-step run, rescaled
+    want = {0} | {round(c * steps / 50) - 1 for c in core.CATOME_CONFIG3 if round(c * steps / 50) >= 1}
+    assert set(built_at) == want == core.catome_checkpoints(steps)
+    assert len(want) < steps  # some steps reuse the matches: the test would prove nothing otherwise

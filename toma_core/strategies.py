@@ -1,0 +1,71 @@
+"""The three merge methods behind one small protocol: how a plan is built (``build``) and when
+(``schedule``, a ``decide``/``reset`` object from ``schedule`` or ``baselines``).
+
+    build(features (B, N, C), grid (h, w), generator, destinations=None) -> plan
+
+``destinations``: those of the group's last plan, given when the schedule asks for new weights only.
+``generator``: one per sampling run, advanced by every build (as tomesd advances one generator), so
+every block and step draws new random cells. ``shares_plans``: one plan serves all blocks of a group
+(a UNet level, a DiT block group) in a step, or each block call matches for itself.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from .baselines import CheckpointSchedule, catome_plan, tomesd_plan
+from .plan import DEFAULT_TAU, plan_tiles
+from .schedule import EveryCall, ReuseSchedule
+
+
+@dataclass(frozen=True)
+class ToMA:
+    """ToMA: destinations by facility location in local windows, soft merge weights, both reused across
+    the blocks of a group and across steps as ``schedule`` says."""
+
+    ratio: float
+    window_size: int
+    schedule: ReuseSchedule = field(default_factory=ReuseSchedule)
+    tau: float = DEFAULT_TAU
+    exact: bool = False
+    seed: int = 0
+    name = "ToMA"
+    shares_plans = True
+    patches_dits = True
+
+    def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
+        return plan_tiles(features, grid, self.window_size, self.ratio, self.tau, self.exact,
+                          destinations=destinations, generator=generator)
+
+
+@dataclass(frozen=True)
+class ToMeSD:
+    """ToMeSD: a fresh bipartite matching in every merged block call, as the tomesd package does."""
+
+    ratio: float
+    sx: int = 2
+    sy: int = 2
+    seed: int = 0
+    schedule: EveryCall = field(default_factory=EveryCall)
+    name = "ToMeSD"
+    shares_plans = False
+    patches_dits = False
+
+    def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
+        return tomesd_plan(features, grid, self.ratio, self.sx, self.sy, generator=generator)
+
+
+@dataclass(frozen=True)
+class CAToMe:
+    """CA-ToMe: per block, threshold matching computed at the checkpoint steps, reused in between."""
+
+    threshold: float
+    sx: int = 2
+    sy: int = 2
+    seed: int = 0
+    schedule: CheckpointSchedule = field(default_factory=CheckpointSchedule)
+    name = "CA-ToMe"
+    shares_plans = False
+    patches_dits = False
+
+    def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
+        return catome_plan(features, grid, self.threshold, self.sx, self.sy, generator=generator)
