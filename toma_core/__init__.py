@@ -1,6 +1,6 @@
 """Pure-torch token merging engine (never imports ComfyUI).
 
-- ``tiles``: cut a row-major token grid into local tiles and back.
+- ``tiles``: cut a raster token grid (an image, or the frames of a video) into local windows and back.
 - ``selection``: greedy facility location, batched over tiles and batch rows.
 - ``plan``: ToMA's merge plan, M = row-normalised softmax(tau * cos), unmerge U = A^T (or pinv).
 - ``schedule``: merge window and pattern reuse, keyed on sampler sigmas.
@@ -10,12 +10,12 @@ from .baselines import CATOME_CONFIG3, BipartitePlan, catome_checkpoints, catome
 from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, destinations_per_tile, plan_tiles
 from .schedule import ReuseSchedule, RunClock, StepDecision, step_from_sigmas
 from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
-from .tiles import TileGrid, tile_tokens, untile_tokens
+from .tiles import TileGrid, tile_tokens, token_grid, untile_tokens
 
 __all__ = [
     "CATOME_CONFIG3", "BipartitePlan", "catome_checkpoints", "catome_plan", "tomesd_plan",
     "DEFAULT_TAU", "IdentityPlan", "MergePlan", "destinations_per_tile", "plan_tiles",
     "ReuseSchedule", "RunClock", "StepDecision", "step_from_sigmas",
     "cosine_similarity", "facility_location", "select_destinations", "stochastic_facility_location",
-    "TileGrid", "tile_tokens", "untile_tokens",
+    "TileGrid", "tile_tokens", "token_grid", "untile_tokens",
 ]
