@@ -67,7 +67,8 @@ class PlanRecord:
 def toma_groups(plan: MergePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(groups (N,), kept (K,)) of row 0 of a ToMA plan: each token goes to the destination that gets the
     largest share of it, the argmax over the destination axis of its assignment (U = A^T, or the exact
-    pseudo-inverse of M, which is A^T for hard assignments)."""
+    pseudo-inverse of M, which is A^T for hard assignments). Raster indices of the plan's grid: h*w tokens,
+    or frames*h*w for windows over video frames."""
     grid = plan.grid
     dest = plan.destinations[0]  # (T, D) index inside the tile, -1 = unused slot
     share = plan.unmerge_weights[0].float().masked_fill(dest[:, None, :] < 0, float("-inf"))  # (T, S, D)

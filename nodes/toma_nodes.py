@@ -21,6 +21,7 @@ CATEGORY = "model_patches/token_merging"
 DEFAULT_RATIO = 0.5
 DEFAULT_WINDOW = 4
 DEFAULT_REUSE = 5
+DEFAULT_TEMPORAL_WINDOW = 2  # docs/benchmarks.md, "Windows over video frames"
 
 
 def check_range(name: str, value, low, high):
@@ -166,17 +167,23 @@ class ToMAPatchModelAdvanced:
                 "exact_unmerge": ("BOOLEAN", {"default": False, "tooltip": "Unmerge with the exact "
                                   "pseudo-inverse (useful for small tau); off = the transpose, exact for large tau."}),
             },
+            "optional": {
+                "temporal_window": _int(DEFAULT_TEMPORAL_WINDOW, 1, 16, "Video models: frames (latent frames) a "
+                                        "merge window spans, so tokens merge with their neighbours in the "
+                                        "next frames too; 1 = each frame apart. Images have one frame."),
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def patch(self, model, ratio, window_size, reuse_interval, scope="attention", levels="auto",
               weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
-              unique_id=None):
+              temporal_window=DEFAULT_TEMPORAL_WINDOW, unique_id=None):
         check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,
                      scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
-                     end_percent=end_percent, tau=tau)
+                     end_percent=end_percent, tau=tau, temporal_window=temporal_window)
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval)
-        strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge)
+        strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge,
+                                                tile_frames=int(temporal_window))
         return (apply_strategy(model, strategy, levels, scope, unique_id),)
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toma_core import TileGrid, tile_tokens, untile_tokens
+from toma_core import TileGrid, tile_tokens, token_grid, untile_tokens
 
 GRIDS = [(8, 8), (16, 16), (6, 10), (10, 6), (7, 5), (1, 9), (13, 11), (3, 3)]
 TILES = [1, 2, 3, 4, 8, 16]
@@ -87,3 +87,78 @@ def test_grid_validation():
         TileGrid(0, 4, 2)
     with pytest.raises(ValueError, match="tokens"):
         tile_tokens(torch.zeros(1, 15, 2), TileGrid(4, 4, 2))
+
+
+# -- windows over frames: a frames x h x w grid cut into tile_frames x tile x tile windows --------------
+VIDEO_GRIDS = [(2, 4, 4), (3, 5, 7), (4, 6, 6), (5, 3, 4), (1, 7, 5)]
+TILE_FRAMES = [1, 2, 3, 4, 6]
+
+
+def reference_windows(x: torch.Tensor, frames: int, h: int, w: int, t: int, f: int):
+    """Explicit loops: window (k, r, c) in raster order, slot (a, i, j) in raster order inside; padding
+    is zero / invalid / (for the origin) the nearest real token."""
+    B, N, C = x.shape
+    spans, rows, cols = -(-frames // f), -(-h // t), -(-w // t)
+    out = torch.zeros(B, spans * rows * cols, f * t * t, C, dtype=x.dtype)
+    valid = torch.zeros(spans * rows * cols, f * t * t, dtype=torch.bool)
+    origin = torch.zeros(spans * rows * cols, f * t * t, dtype=torch.long)
+    for k in range(spans):
+        for r in range(rows):
+            for c in range(cols):
+                for a in range(f):
+                    for i in range(t):
+                        for j in range(t):
+                            window, slot = (k * rows + r) * cols + c, (a * t + i) * t + j
+                            z, y, xx = k * f + a, r * t + i, c * t + j
+                            origin[window, slot] = (min(z, frames - 1) * h + min(y, h - 1)) * w + min(xx, w - 1)
+                            if z < frames and y < h and xx < w:
+                                out[:, window, slot] = x[:, (z * h + y) * w + xx]
+                                valid[window, slot] = True
+    return out, valid, origin
+
+
+@pytest.mark.parametrize("tile_frames", TILE_FRAMES)
+@pytest.mark.parametrize("tile", [1, 2, 4])
+@pytest.mark.parametrize("thw", VIDEO_GRIDS)
+def test_video_round_trip_is_exact_and_layout_matches_reference(thw, tile, tile_frames):
+    frames, h, w = thw
+    x = torch.randn(2, frames * h * w, 3, generator=torch.Generator().manual_seed(frames * 1000 + h * 10 + w))
+    grid = TileGrid(h, w, tile, frames=frames, tile_frames=tile_frames)
+    tiles = tile_tokens(x, grid)
+    assert tiles.shape == (2, grid.num_tiles, tile_frames * tile * tile, 3)
+    assert torch.equal(untile_tokens(tiles, grid), x)
+    ref, valid, origin = reference_windows(x, frames, h, w, tile, tile_frames)
+    assert torch.equal(tiles, ref)
+    assert torch.equal(grid.valid, valid)
+    assert torch.equal(grid.tile_origin, origin)
+    assert int(grid.valid.sum()) == frames * h * w
+    assert grid.padded == (frames % tile_frames != 0 or h % tile != 0 or w % tile != 0)
+
+
+@pytest.mark.parametrize("tile", [1, 2, 3])
+@pytest.mark.parametrize("thw", VIDEO_GRIDS)
+def test_one_frame_per_window_is_the_2d_tiling_of_each_frame(thw, tile):
+    frames, h, w = thw
+    x = torch.randn(1, frames * h * w, 4, generator=torch.Generator().manual_seed(5))
+    plane = TileGrid(h, w, tile)
+    per_frame = torch.cat([tile_tokens(f, plane) for f in x.split(h * w, dim=1)], dim=1)
+    video = TileGrid(h, w, tile, frames=frames)
+    assert torch.equal(tile_tokens(x, video), per_frame)
+    assert torch.equal(video.valid, plane.valid.repeat(frames, 1))
+    assert torch.equal(video.tile_origin, torch.cat([plane.tile_origin + k * h * w for k in range(frames)]))
+
+
+def test_one_frame_grids_are_the_2d_grids():
+    assert token_grid((1, 6, 10), 4) == token_grid((6, 10), 4) == TileGrid(6, 10, 4)
+    assert token_grid((3, 6, 10), 4, 2) == TileGrid(6, 10, 4, frames=3, tile_frames=2)
+
+
+def test_video_grid_validation():
+    with pytest.raises(ValueError, match="frames must be >= 1"):
+        TileGrid(4, 4, 2, frames=0)
+    with pytest.raises(ValueError, match="tile_frames must be >= 1"):
+        TileGrid(4, 4, 2, frames=3, tile_frames=0)
+    with pytest.raises(ValueError, match=r"\(h, w\) or \(frames, h, w\)"):
+        token_grid((2, 3, 4, 4), 2)
+    with pytest.raises(ValueError, match="2x4x4=32 tokens"):
+        tile_tokens(torch.zeros(1, 16, 2), TileGrid(4, 4, 2, frames=2, tile_frames=2))

@@ -24,6 +24,7 @@ BAD_INPUTS = [
     ("ToMAPatchModelAdvanced", dict(TOMA, weights_interval=0), ["weights_interval", "1", "100"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, start_percent=-0.1), ["start_percent", "0.0", "1.0"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, end_percent=1.5), ["end_percent", "0.0", "1.0"]),
+    ("ToMAPatchModelAdvanced", dict(TOMA, temporal_window=0), ["temporal_window", "1", "16"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, start_percent=0.8, end_percent=0.2), ["start_percent", "end_percent"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, tau=0.5), ["tau", "1.0", "10000.0"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, scope="everything"), ["scope", "attention", "block"]),

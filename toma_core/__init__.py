@@ -1,6 +1,6 @@
 """Pure-torch token merging engine (never imports ComfyUI).
 
-- ``tiles``: cut a row-major token grid into local tiles and back.
+- ``tiles``: cut a raster token grid (an image, or the frames of a video) into local windows and back.
 - ``selection``: greedy facility location, batched over tiles and batch rows.
 - ``plan``: ToMA's merge plan, M = row-normalised softmax(tau * cos), unmerge U = A^T (or pinv).
 - ``schedule``: merge window and pattern reuse, keyed on sampler sigmas.
@@ -13,7 +13,7 @@ from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, TokenPlan, destinations_
 from .schedule import EveryCall, ReuseSchedule, RunClock, StepDecision, step_from_sigmas
 from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
 from .strategies import CAToMe, ToMA, ToMeSD
-from .tiles import TileGrid, tile_tokens, untile_tokens
+from .tiles import TileGrid, tile_tokens, token_grid, untile_tokens
 
 __all__ = [
     "CATOME_CONFIG3", "CATOME_REFERENCE_STEPS", "BipartitePlan", "CheckpointSchedule", "catome_checkpoints",
@@ -22,5 +22,5 @@ __all__ = [
     "EveryCall", "ReuseSchedule", "RunClock", "StepDecision", "step_from_sigmas",
     "CAToMe", "ToMA", "ToMeSD",
     "cosine_similarity", "facility_location", "select_destinations", "stochastic_facility_location",
-    "TileGrid", "tile_tokens", "untile_tokens",
+    "TileGrid", "tile_tokens", "token_grid", "untile_tokens",
 ]

@@ -1,5 +1,8 @@
 """ToMA merge plans: attention-like soft assignment of every token to its tile's destinations.
 
+Tiles are the local windows of ``tiles.TileGrid``: 2-D tiles of an image, or windows spanning a few
+frames of a video; everything below works per window and never looks at its shape.
+
 For one tile with normalised tokens X (S x C) and destinations Dn (D x C):
     A = softmax(tau * Dn X^T) over the destination axis   (D x S, each column sums to 1)
     M = A / rowsum(A)                                      (merge: each row a weighted average)
@@ -12,7 +15,7 @@ from functools import lru_cache
 import torch
 
 from .selection import select_by_similarity, unit_similarity, unit_vectors
-from .tiles import TileGrid, grid_on, tile_tokens, untile_tokens
+from .tiles import TileGrid, grid_on, tile_tokens, token_grid, untile_tokens
 
 DEFAULT_TAU = 1000.0
 
@@ -106,7 +109,8 @@ class MergePlan(TokenPlan):
         return untile_tokens(self.unmerge_weights @ y.view(B, T, D, -1), self.grid)
 
     def destination_tokens(self) -> torch.Tensor:
-        """(B, N') long raster index of each merged token's destination (for positional tables)."""
+        """(B, N') long raster index (in the frames x h x w grid) of each merged token's destination,
+        for positional tables."""
         B, T, D = self.destinations.shape
         origin = grid_on(self.grid, self.destinations.device)[1]
         raster = origin[torch.arange(T, device=origin.device)[:, None], self.destinations.clamp(min=0)]
@@ -133,25 +137,28 @@ class IdentityPlan(TokenPlan):
 
 def plan_tiles(
     x: torch.Tensor,
-    hw: tuple[int, int],
+    hw: tuple[int, int] | tuple[int, int, int],
     tile: int,
     ratio: float,
     tau: float = DEFAULT_TAU,
     exact: bool = False,
     destinations: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    tile_frames: int = 1,
 ) -> "MergePlan | IdentityPlan":
     """Build a ToMA plan from block features.
 
-    x: (B, N, C) features that decide similarity (the block's normalised input), N = h*w row-major.
-    hw: (h, w) token grid. tile: tile side in tokens. ratio: fraction of tokens removed, in [0, 1).
+    x: (B, N, C) features that decide similarity (the block's normalised input), N = h*w row-major, or
+    N = frames*h*w (frame-major, then row-major) for a video.
+    hw: (h, w) token grid, or (frames, h, w). tile: tile side in tokens. tile_frames: frames a window
+    spans (1: each frame is tiled on its own, as an image). ratio: fraction of tokens removed, in [0, 1).
     tau: softmax sharpness; large tau makes A hard and U = A^T the exact pseudo-inverse of M.
     exact: unmerge with the true pseudo-inverse of M (fp32), for soft tau.
     destinations: (B, T, D) from an earlier plan of the same grid, to refresh only the weights.
     generator: seeded generator for the stochastic selector used on large tiles.
     Weights are computed in fp32 and returned in x's dtype.
     """
-    grid = TileGrid(hw[0], hw[1], tile)
+    grid = token_grid(hw, tile, tile_frames)
     if ratio == 0.0:
         return IdentityPlan(grid, x.shape[0], x.device)
     geometry = plan_geometry(grid, float(ratio), x.device)

@@ -1,7 +1,7 @@
 """The three merge methods behind one small protocol: how a plan is built (``build``) and when
 (``schedule``, a ``decide``/``reset`` object from ``schedule`` or ``baselines``).
 
-    build(features (B, N, C), grid (h, w), generator, destinations=None) -> plan
+    build(features (B, N, C), grid (h, w) or (frames, h, w), generator, destinations=None) -> plan
 
 ``destinations``: those of the group's last plan, given when the schedule asks for new weights only.
 ``generator``: one per sampling run, advanced by every build (as tomesd advances one generator), so
@@ -20,7 +20,8 @@ from .schedule import EveryCall, ReuseSchedule
 @dataclass(frozen=True)
 class ToMA:
     """ToMA: destinations by facility location in local windows, soft merge weights, both reused across
-    the blocks of a group and across steps as ``schedule`` says."""
+    the blocks of a group and across steps as ``schedule`` says. A window is ``window_size`` tokens
+    square and, on a video grid, ``tile_frames`` frames deep (1: each frame apart, as on images)."""
 
     ratio: float
     window_size: int
@@ -28,13 +29,14 @@ class ToMA:
     tau: float = DEFAULT_TAU
     exact: bool = False
     seed: int = 0
+    tile_frames: int = 1
     name = "ToMA"
     shares_plans = True
     patches_dits = True
 
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
         return plan_tiles(features, grid, self.window_size, self.ratio, self.tau, self.exact,
-                          destinations=destinations, generator=generator)
+                          destinations=destinations, generator=generator, tile_frames=self.tile_frames)
 
 
 @dataclass(frozen=True)

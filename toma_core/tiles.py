@@ -1,9 +1,12 @@
-"""Local tiles of a row-major token grid.
+"""Local windows of a raster token grid: tiles of an image, or tiles spanning a few frames of a video.
 
-A grid of h x w tokens is cut into non-overlapping ``tile`` x ``tile`` squares, in row-major tile order,
-tokens row-major inside each tile. When h or w is not a multiple of ``tile`` the grid is padded at the
-bottom/right with masked tokens, so every real token belongs to exactly one tile and all tiles have the
-same shape (one batched matmul serves them all).
+A grid of ``frames`` x h x w tokens (raster order: frame-major, then row, then column; an image is one
+frame) is cut into non-overlapping windows of ``tile_frames`` x ``tile`` x ``tile`` tokens. Windows come
+in raster order (frame window, then tile row, then tile column), tokens inside a window in raster order
+too. When a side is not a multiple of its window side the grid is padded at the end of that axis
+(last frames, bottom, right) with masked tokens, so every real token belongs to exactly one window and
+all windows have the same shape (one batched matmul serves them all). With one frame per window the
+windows are exactly the 2-D tiles of each frame.
 """
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -14,17 +17,24 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class TileGrid:
-    """Geometry of the tiling of an ``h`` x ``w`` grid into ``tile`` x ``tile`` tiles."""
+    """Geometry of the tiling of a ``frames`` x ``h`` x ``w`` grid into ``tile_frames`` x ``tile`` x
+    ``tile`` windows ("tiles"; ``frames`` = ``tile_frames`` = 1 is an image cut into 2-D tiles)."""
 
     h: int
     w: int
     tile: int
+    frames: int = 1
+    tile_frames: int = 1
 
     def __post_init__(self):
         if self.h < 1 or self.w < 1:
             raise ValueError(f"token grid must be at least 1x1, got {self.h}x{self.w}")
         if self.tile < 1:
             raise ValueError(f"tile must be >= 1, got {self.tile}")
+        if self.frames < 1:
+            raise ValueError(f"frames must be >= 1 (an image is 1 frame), got {self.frames}")
+        if self.tile_frames < 1:
+            raise ValueError(f"tile_frames must be >= 1 (1 = 2-D tiles in each frame), got {self.tile_frames}")
 
     @property
     def rows(self) -> int:
@@ -35,37 +45,66 @@ class TileGrid:
         return -(-self.w // self.tile)
 
     @property
+    def frame_windows(self) -> int:
+        """Windows along the frame axis."""
+        return -(-self.frames // self.tile_frames)
+
+    @property
     def num_tiles(self) -> int:
-        return self.rows * self.cols
+        return self.frame_windows * self.rows * self.cols
 
     @property
     def tile_size(self) -> int:
-        return self.tile * self.tile
+        return self.tile_frames * self.tile * self.tile
 
     @property
     def num_tokens(self) -> int:
-        return self.h * self.w
+        return self.frames * self.h * self.w
 
     @property
     def padded(self) -> bool:
-        return self.rows * self.tile != self.h or self.cols * self.tile != self.w
+        return (self.frame_windows * self.tile_frames != self.frames or self.rows * self.tile != self.h
+                or self.cols * self.tile != self.w)
+
+    def _window_axes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded frame, row and column of every slot, as aranges shaped to broadcast to
+        (frame windows, tile_frames, rows, tile, cols, tile)."""
+        f, t = self.tile_frames, self.tile
+        frame = torch.arange(self.frame_windows * f).view(-1, f, 1, 1, 1, 1)
+        row = torch.arange(self.rows * t).view(1, 1, -1, t, 1, 1)
+        col = torch.arange(self.cols * t).view(1, 1, 1, 1, -1, t)
+        return frame, row, col
+
+    def _to_slots(self, per_position: torch.Tensor) -> torch.Tensor:
+        """(frame windows, tile_frames, rows, tile, cols, tile) -> (T, S) in window and slot order."""
+        return per_position.permute(0, 2, 4, 1, 3, 5).reshape(self.num_tiles, self.tile_size)
 
     @cached_property
     def valid(self) -> torch.Tensor:
         """(T, S) bool: which tile slots hold a real token (False only for padding)."""
-        t = self.tile
-        ys = torch.arange(self.rows * t).view(self.rows, t, 1, 1) < self.h
-        xs = torch.arange(self.cols * t).view(1, 1, self.cols, t) < self.w
-        return (ys & xs).permute(0, 2, 1, 3).reshape(self.num_tiles, self.tile_size)
+        frame, row, col = self._window_axes()
+        return self._to_slots((frame < self.frames) & (row < self.h) & (col < self.w))
 
     @cached_property
     def tile_origin(self) -> torch.Tensor:
-        """(T, S) long: raster index of each tile slot in the padded grid (for positions of tokens)."""
-        t = self.tile
-        ys = torch.arange(self.rows * t).view(self.rows, t, 1, 1)
-        xs = torch.arange(self.cols * t).view(1, 1, self.cols, t)
-        idx = ys.clamp(max=self.h - 1) * self.w + xs.clamp(max=self.w - 1)
-        return idx.permute(0, 2, 1, 3).reshape(self.num_tiles, self.tile_size)
+        """(T, S) long: raster index in the frames x h x w grid of each tile slot; a padding slot names
+        the nearest real token (for positions of tokens)."""
+        frame, row, col = self._window_axes()
+        raster = (frame.clamp(max=self.frames - 1) * self.h + row.clamp(max=self.h - 1)) * self.w
+        return self._to_slots(raster + col.clamp(max=self.w - 1))
+
+
+def token_grid(shape: tuple[int, ...], tile: int, tile_frames: int = 1) -> TileGrid:
+    """The TileGrid of a token grid ``shape`` = (h, w) or (frames, h, w). A window spans at most the
+    frames there are: padding frames would cost selection time and change nothing (an image, or a
+    one-frame video, plans exactly as with 2-D tiles whatever ``tile_frames`` says)."""
+    if tile_frames < 1:
+        raise ValueError(f"tile_frames must be >= 1 (1 = 2-D tiles in each frame), got {tile_frames}")
+    if len(shape) == 2:
+        return TileGrid(shape[0], shape[1], tile)
+    if len(shape) == 3:
+        return TileGrid(shape[1], shape[2], tile, frames=shape[0], tile_frames=min(tile_frames, shape[0]))
+    raise ValueError(f"token grid must be (h, w) or (frames, h, w), got {tuple(shape)}")
 
 
 @lru_cache(maxsize=256)
@@ -76,24 +115,25 @@ def grid_on(grid: TileGrid, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 def tile_tokens(x: torch.Tensor, grid: TileGrid) -> torch.Tensor:
-    """(B, h*w, C) raster tokens -> (B, T, S, C) tiles; padding slots are zeros."""
+    """(B, frames*h*w, C) raster tokens -> (B, T, S, C) tiles; padding slots are zeros."""
     B, N, C = x.shape
     if N != grid.num_tokens:
-        raise ValueError(f"expected {grid.h}x{grid.w}={grid.num_tokens} tokens, got {N}")
-    t = grid.tile
-    g = x.view(B, grid.h, grid.w, C)
+        raise ValueError(f"expected {grid.frames}x{grid.h}x{grid.w}={grid.num_tokens} tokens, got {N}")
+    f, t = grid.tile_frames, grid.tile
+    g = x.view(B, grid.frames, grid.h, grid.w, C)
     if grid.padded:
-        g = F.pad(g, (0, 0, 0, grid.cols * t - grid.w, 0, grid.rows * t - grid.h))
-    g = g.view(B, grid.rows, t, grid.cols, t, C).permute(0, 1, 3, 2, 4, 5)
+        g = F.pad(g, (0, 0, 0, grid.cols * t - grid.w, 0, grid.rows * t - grid.h,
+                      0, grid.frame_windows * f - grid.frames))
+    g = g.view(B, grid.frame_windows, f, grid.rows, t, grid.cols, t, C).permute(0, 1, 3, 5, 2, 4, 6, 7)
     return g.reshape(B, grid.num_tiles, grid.tile_size, C)
 
 
 def untile_tokens(tiles: torch.Tensor, grid: TileGrid) -> torch.Tensor:
-    """(B, T, S, C) tiles -> (B, h*w, C) raster tokens; padding slots are dropped."""
+    """(B, T, S, C) tiles -> (B, frames*h*w, C) raster tokens; padding slots are dropped."""
     B, T, S, C = tiles.shape
-    t = grid.tile
-    g = tiles.view(B, grid.rows, grid.cols, t, t, C).permute(0, 1, 3, 2, 4, 5)
-    g = g.reshape(B, grid.rows * t, grid.cols * t, C)
+    f, t = grid.tile_frames, grid.tile
+    g = tiles.view(B, grid.frame_windows, grid.rows, grid.cols, f, t, t, C).permute(0, 1, 4, 2, 5, 3, 6, 7)
+    g = g.reshape(B, grid.frame_windows * f, grid.rows * t, grid.cols * t, C)
     if grid.padded:
-        g = g[:, : grid.h, : grid.w]
+        g = g[:, : grid.frames, : grid.h, : grid.w]
     return g.reshape(B, grid.num_tokens, C)
