@@ -236,3 +236,57 @@ def dit_conditioning(arch: str, config: dict, batch: int = 1, tokens: int = 256,
         return [[torch.randn(batch, tokens, context, generator=g), opts]]
 
     return cond(), cond()
+
+
+# -- Wan 2.1 / 2.2 (current ComfyUI only) ------------------------------------------------------------
+# Wan 2.1 T2V 1.3B as ComfyUI detects it (model_detection: heads = dim / 128, patch (1, 2, 2)); umT5-XXL
+# text (4096), 16-channel latents (VAE stride 4 x 8 x 8). 14B: dim 5120, ffn 13824, 40 heads, 40 blocks.
+WAN_1_3B = {
+    "image_model": "wan2.1", "model_type": "t2v", "patch_size": (1, 2, 2), "text_len": 512, "in_dim": 16,
+    "dim": 1536, "ffn_dim": 8960, "freq_dim": 256, "text_dim": 4096, "out_dim": 16, "num_heads": 12,
+    "num_layers": 30, "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6,
+}
+# Reduced width and depth for CPU benchmarks: head size 128 as in Wan, the real text width.
+WAN_SMALL = dict(WAN_1_3B, dim=512, ffn_dim=2048, num_heads=4, num_layers=4)
+# Tiny, for tests: 4 blocks (the first never merges), head size 32 (RoPE axes 12/10/10).
+WAN_TINY = dict(WAN_1_3B, dim=64, ffn_dim=128, num_heads=2, num_layers=4, text_dim=32)
+# What each variant changes, and the ComfyUI model config (supported_models) that builds it.
+WAN_VARIANTS = {
+    "t2v": ("WAN21_T2V", {}),
+    "i2v": ("WAN21_I2V", {"model_type": "i2v", "in_dim": 36}),  # 16 noise + 4 mask + 16 image; CLIP-H tokens
+    "ti2v": ("WAN22_T2V", {"in_dim": 48, "out_dim": 48}),  # Wan 2.2 5B: 48-channel latents, timestep per frame
+    "reference": ("WAN21_T2V", {"in_dim_ref_conv": 16}),  # Fun models: a reference latent prepended
+    "vace": ("WAN21_Vace", {"model_type": "vace", "vace_layers": 2, "vace_in_dim": 96}),
+    "camera": ("WAN21_Camera", {"model_type": "camera", "in_dim": 32}),
+    "animate": ("WAN22_Animate", {"model_type": "animate", "in_dim": 36}),
+    "s2v": ("WAN22_S2V", {"model_type": "s2v", "audio_dim": 32, "num_audio_token": 2, "audio_inject_layers": [0, 2]}),
+    "humo": ("WAN21_HuMo", {"model_type": "humo"}),
+}
+
+
+def build_wan(variant: str = "t2v", seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None,
+              device=None, draw_device=None):
+    """A ComfyUI ModelPatcher around a random-weight Wan model of ``variant`` (a key of WAN_VARIANTS), at
+    WAN_TINY widths unless ``config`` (WAN_1_3B is Wan 2.1 1.3B); the variant's keys override it.
+    ``device`` and ``draw_device`` as in build_flux."""
+    import comfy.supported_models
+
+    model_config, changes = WAN_VARIANTS[variant]
+    cfg = getattr(comfy.supported_models, model_config)({**(config or WAN_TINY), **changes})
+    cfg.set_inference_dtype(dtype, None)
+    base = cfg.get_model({}, device=device)
+    init_weights_(base, seed, draw_device)
+    _unit_norm_scales_(base)
+    return _patcher(base.to(dtype))
+
+
+def wan_conditioning(config: dict, batch: int = 1, tokens: int = 512, seed: int = 0, **options):
+    """(positive, negative) CONDITIONING for a model built by build_wan from ``config``: umT5-like text
+    (batch, tokens, text_dim) from a seeded generator, and ``options`` (clip_vision_output,
+    reference_latents, ...) on both."""
+    g = torch.Generator().manual_seed(seed)
+
+    def cond():
+        return [[torch.randn(batch, tokens, config["text_dim"], generator=g), dict(options)]]
+
+    return cond(), cond()

@@ -7,9 +7,9 @@ An adapter module offers:
                                              message, when the strategy or the host cannot serve it
 Adding a family is one module here, its line in ADAPTERS and its tests.
 """
-from . import flux, sd3, unet
+from . import flux, sd3, unet, wan
 
-ADAPTERS = (unet, flux, sd3)
+ADAPTERS = (unet, flux, sd3, wan)
 
 
 def adapter_for(model):

@@ -185,8 +185,13 @@ class DiTPatch:
             return run(args)
         return self.merged_call("single", args, run, txt_len, txt_len, layout)
 
+    def reduced_inputs(self, args: dict, txt_len: int, layout, plan) -> dict:
+        """The block's per-token inputs besides the tokens (``pe``, ``attn_mask``), cut to the merged
+        sequence; a family whose blocks take other per-token inputs overrides this."""
+        return merged_positions(args, txt_len, layout, plan)
+
     def merged_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout) -> dict:
-        """Run the block on ``args["img"]`` with its image tokens [start, start + h*w) merged; return the
+        """Run the block on ``args["img"]`` with its image tokens [start, start + layout.tokens) merged; return the
         full-length result with the block's update of those tokens unmerged onto them."""
         seq, end = args["img"], start + layout.tokens
         image = seq[:, start:end]
@@ -197,7 +202,7 @@ class DiTPatch:
         def merge(_):
             merged = plan.merge(image)
             return merged, {"img": torch.cat([seq[:, :start], merged, seq[:, end:]], 1),
-                            **merged_positions(args, txt_len, layout, plan)}
+                            **self.reduced_inputs(args, txt_len, layout, plan)}
 
         merged, inputs = self.runtime.timed("merge", merge, None)
         out = run({**args, **inputs})
@@ -228,17 +233,17 @@ def merged_blocks(depth: int, group: str) -> range:
     return BlockGroup("", group, depth, None, SKIP_FRACTION[group]).merged()
 
 
-def layout_wrapper(where: str, target, patch_size: int, model):
-    """(wrapper type, key, LayoutStash) for ModelPatcher.add_wrapper_with_key around ``target``, the
-    function the ``where`` executor runs (its signature names the arguments); None in a host without
-    wrappers."""
+def layout_wrapper(where: str, target, patch_size, model, stash=LayoutStash):
+    """(wrapper type, key, ``stash``) for ModelPatcher.add_wrapper_with_key around ``target``, the
+    function the ``where`` executor runs (its signature names the arguments); ``stash``: LayoutStash or
+    a subclass that reads another family's latent; None in a host without wrappers."""
     try:
         from comfy.patcher_extension import WrappersMP
     except ImportError:
         return None
     if target is None or not hasattr(model, "add_wrapper_with_key"):
         return None
-    return getattr(WrappersMP, where), WRAPPER_KEY, LayoutStash(target, patch_size)
+    return getattr(WrappersMP, where), WRAPPER_KEY, stash(target, patch_size)
 
 
 def patch_blocks(model, runtime: MergeRuntime, family: str, groups: list[BlockGroup], stash):

@@ -1,0 +1,187 @@
+"""Adapter for Wan 2.1 / 2.2 video DiTs: every block merges the video tokens of its call (the block's
+update x + U(block(Mx) - Mx), nodes/adapters/dit.py says how), in windows that span frames x rows x
+columns of the video's token grid.
+
+Served: T2V and I2V/FLF2V 2.1 (CLIP image tokens are part of ``context``, which cross-attention reads
+in full), the 2.2 14B high- and low-noise experts (the same class), the 2.2 5B TI2V model, VACE, Camera,
+Fun models with a reference latent, and Animate. Left unpatched, with a message: S2V (its blocks are
+called without ``transformer_options``, so they can find neither the sampling step nor the token grid)
+and HuMo (its audio cross-attention cuts the video tokens into equal runs per frame, which merged
+tokens do not form).
+
+What a block call sees and what runs merged:
+- Tokens: [reference, video, time-concatenated frames]. The reference latent of Fun models
+  (``ref_conv``) is prepended; Phantom's subject frames (``time_dim_concat``) follow the video as extra
+  frames. Only the t x h x w video grid merges; reference and subject tokens, and the text and CLIP
+  tokens of cross-attention, never do.
+- Positions: ``pe`` holds one 3-D RoPE row per token (dim 1, in the order above); a merged token takes
+  its destination's row.
+- Modulation: ``vec`` (e0) is per sample, except on the 5B TI2V model in image-to-video, where the
+  timestep is per frame (the conditioning frame is at t = 0) and the block repeats e0's rows over the
+  tokens. A merged token takes its destination's row too, found by running ComfyUI's own ``repeat_e``
+  on the row indices. Why not merge the rows with the plan's weights: a blend of the modulations of two
+  timesteps is the modulation of no timestep, and the merged token already *is* its destination for
+  RoPE; gathering also costs no matmul over 6 x C channels. Inside a frame the rows are equal, so both
+  choices agree everywhere but at the borders of windows spanning the conditioning frame.
+- VACE hint blocks and Animate's face adapter run outside the replaced blocks, on full-length tokens.
+
+Which blocks: one group of ``len(blocks)`` blocks (30 in 1.3B and 5B, 40 in 14B). Each Wan block is a
+whole transformer layer over one sequence of video tokens, like Flux's single blocks, so the first
+5/38 of them never merge (the paper's 5 of Flux's 38 single blocks): 4 of 30, 5 of 40.
+
+Token grid: Wan's DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (B, C, T, H,
+W) padded to the patch (1, 2, 2): T x ceil(H/2) x ceil(W/2) tokens, passed to the runtime as
+(frames, h, w).
+"""
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, LayoutStash, joint_index, layout_wrapper,
+                  patch_blocks, take_rows)
+
+log = logging.getLogger("ComfyUI-ToMA")
+
+FAMILY = "Wan 2.1/2.2"
+SERVED = ("T2V, I2V, FLF2V, 2.2 14B high/low-noise, 2.2 5B TI2V, VACE, Camera, Fun with reference latent, "
+          "Animate")
+# Variants whose blocks ComfyUI calls in a way merged tokens cannot follow, and why.
+REFUSED = {
+    "WanModel_S2V": "its blocks are called without transformer_options, so they can find neither the "
+                    "sampling step nor the token grid",
+    "HumoWanModel": "its audio cross-attention cuts the video tokens into equal runs per frame, which "
+                    "merged tokens do not form",
+}
+
+
+def served_classes() -> tuple:
+    """The WanModel classes whose blocks merge (exact classes: a subclass may call its blocks otherwise)."""
+    import comfy.ldm.wan.model as wan
+
+    classes = [wan.WanModel] + [getattr(wan, name) for name in ("VaceWanModel", "CameraWanModel") if hasattr(wan, name)]
+    try:
+        from comfy.ldm.wan.model_animate import AnimateWanModel
+    except ImportError:  # a ComfyUI before Wan 2.2 Animate
+        return tuple(classes)
+    return (*classes, AnimateWanModel)
+
+
+def supports(model) -> bool:
+    try:
+        from comfy.ldm.wan.model import WanModel
+    except ImportError:  # a ComfyUI without Wan (the March-2024 tree)
+        return False
+    return isinstance(getattr(model.model, "diffusion_model", None), WanModel)
+
+
+@dataclass(frozen=True)
+class VideoLayout:
+    """A Wan call's token sequence: ``prefix`` reference tokens, the ``frames`` x ``h`` x ``w`` video grid
+    in raster order (frame, row, column), then ``suffix`` tokens of time-concatenated frames. ``tokens``
+    and ``total`` count from the end of the prefix, as ImageLayout's do from the end of the text."""
+
+    prefix: int
+    frames: int
+    h: int
+    w: int
+    suffix: int = 0
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.frames, self.h, self.w
+
+    @property
+    def tokens(self) -> int:
+        return self.frames * self.h * self.w
+
+    @property
+    def total(self) -> int:
+        return self.tokens + self.suffix
+
+
+def sides(shape, patch) -> list[int]:
+    """Tokens along each axis of a latent of ``shape`` padded to ``patch`` (as ``pad_to_patch_size``)."""
+    return [-(-int(n) // p) for n, p in zip(shape, patch)]
+
+
+class VideoLayoutStash(LayoutStash):
+    """The DIFFUSION_MODEL wrapper around ``WanModel._forward(x, timestep, context, clip_fea,
+    time_dim_concat, transformer_options, **kwargs)`` that hands the blocks the call's VideoLayout.
+    ``target``: that bound method; ``patch_size``: the model's (t, h, w) patch."""
+
+    def __init__(self, target, patch_size):
+        super().__init__(target, tuple(patch_size))
+        self.prepends_reference = getattr(target.__self__, "ref_conv", None) is not None
+
+    def layout(self, call: dict) -> VideoLayout | None:
+        x = call.get("x")
+        if not torch.is_tensor(x) or x.dim() != 5:
+            return None
+        frames, h, w = sides(x.shape[2:], self.patch)
+        concat = call.get("time_dim_concat")
+        suffix = sides(concat.shape[2:3], self.patch[:1])[0] * h * w if torch.is_tensor(concat) else 0
+        reference = (call.get("kwargs") or {}).get("reference_latent")
+        prefix = 0
+        if self.prepends_reference and torch.is_tensor(reference):  # ref_conv: a strided conv, no padding
+            prefix = (reference.shape[-2] // self.patch[1]) * (reference.shape[-1] // self.patch[2])
+        return VideoLayout(prefix, frames, h, w, suffix)
+
+
+def modulation_per_token(vec) -> bool:
+    """Whether e0 (B, rows, 6, C) has a token axis (TI2V with per-frame timesteps) rather than one row
+    per sample ((B, 6, C) or (B, 1, 6, C))."""
+    return torch.is_tensor(vec) and vec.dim() == 4 and vec.shape[1] > 1
+
+
+class WanPatch(DiTPatch):
+    """The "dit" double_block patches of one patched Wan clone."""
+
+    def __init__(self, runtime):
+        super().__init__(runtime)
+        from comfy.ldm.wan.model import repeat_e
+
+        self.repeat_rows = repeat_e  # how a Wan block spreads e0's rows over the tokens
+
+    def plan_for(self, group: str, video: torch.Tensor, layout: VideoLayout, options: dict):
+        grid = layout.grid
+        return self.runtime.plan(("dit", group), ("dit", group), grid, video,
+                                 lambda: F.layer_norm(video, video.shape[-1:]), options,
+                                 f"{group} {'x'.join(map(str, grid))}")
+
+    def block(self, args: dict, extras: dict) -> dict:
+        """[reference, video, suffix] (B, L, C) with the video tokens merged; context (text and CLIP
+        image tokens) and anything the layout does not account for pass whole."""
+        run, seq, pe = extras["original_block"], args["img"], args.get("pe")
+        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
+        if (not isinstance(layout, VideoLayout) or seq.shape[1] != layout.prefix + layout.total
+                or not torch.is_tensor(pe) or pe.dim() < 2 or pe.shape[1] != seq.shape[1]):
+            return run(args)
+        return self.merged_call("video", args, run, layout.prefix, layout.prefix, layout)
+
+    def reduced_inputs(self, args: dict, prefix: int, layout: VideoLayout, plan) -> dict:
+        """pe (1, L, 1, d/2, 2, 2) and a per-token e0 (B, rows, 6, C) cut to the rows of the merged
+        sequence [reference, destinations, suffix]."""
+        pe, vec = args["pe"], args.get("vec")
+        index = joint_index(prefix, layout, plan.destination_tokens().to(pe.device))
+        inputs = {"pe": take_rows(pe, index, 1)}
+        if modulation_per_token(vec):
+            rows = torch.arange(vec.shape[1], device=vec.device).view(1, -1, 1)
+            row_of_token = self.repeat_rows(rows, args["img"]).view(-1)  # (L,): e0 row of every token
+            inputs["vec"] = take_rows(vec, row_of_token[index.to(vec.device)], 1)
+        return inputs
+
+
+def patch(model, runtime, levels=None, scope=None):
+    """The patched clone (``levels`` and ``scope`` are UNet notions: Wan has one token grid); ``model``
+    itself, unpatched with a message, for the variants in REFUSED or unknown subclasses."""
+    dm = model.model.diffusion_model
+    name = type(dm).__name__
+    if type(dm) not in served_classes():
+        why = REFUSED.get(name, "an unknown Wan variant, whose blocks may be called otherwise")
+        log.warning("ToMA: %s is not served (%s); returned unpatched. Wan variants served: %s", name, why, SERVED)
+        return model
+    groups = [BlockGroup("double_block", "video", len(dm.blocks), WanPatch(runtime).block, SKIP_FRACTION["single"])]
+    stash = layout_wrapper("DIFFUSION_MODEL", dm._forward, dm.patch_size, model, VideoLayoutStash)
+    return patch_blocks(model, runtime, FAMILY, groups, stash)

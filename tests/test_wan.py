@@ -1,0 +1,336 @@
+"""ToMA on Wan 2.1/2.2: random-weight WanModels of every variant (ComfyUI's own classes, tiny widths)
+sampled through ComfyUI's sampler.
+
+Latents are small video grids: 5 frames of 12x16 (6x8 tokens a frame), an odd 13x19 (7x10 tokens, no
+window of 4 divides it), and 1 and 9 frames; the real 480p aspect (60x104) runs once with one step.
+"""
+import copy
+import logging
+import types
+
+import pytest
+import torch
+
+import comfy_host
+from toma_bench import models
+
+pytestmark = [pytest.mark.comfy,
+              pytest.mark.skipif(not comfy_host.has_current_comfy(),
+                                 reason="Wan exists only in current ComfyUI (set COMFYUI_PATH, e.g. to the "
+                                        ".comfyui-current made by tests/setup_current.sh)")]
+
+SIZES = {"square": (12, 16), "odd": (13, 19)}  # latent H x W; tokens ceil(H/2) x ceil(W/2)
+SERVED = ("t2v", "i2v", "ti2v", "reference", "vace", "camera", "animate")
+CLIP_TOKENS = 257  # CLIP-H penultimate tokens of an I2V image, prepended to the text in cross-attention
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread while this module runs: on tensors this small OpenMP's fork and join cost
+    more than they save, and on a shared CPU many times more (5x here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def built(pack):
+    """{variant: ModelPatcher}, built once; tests only ever patch clones of them."""
+    return {variant: models.build_wan(variant, seed=i + 1) for i, variant in enumerate(SERVED)}
+
+
+def channels(variant):
+    return 48 if variant == "ti2v" else 16
+
+
+def variant_inputs(variant, batch, frames, hw, seed):
+    """(conditioning options, noise mask) that exercise what ``variant`` adds to a plain T2V call."""
+    g = torch.Generator().manual_seed(100 + seed)
+
+    def latent(c, t):
+        return torch.randn(batch, c, t, *hw, generator=g)
+
+    if variant == "i2v":
+        clip = types.SimpleNamespace(penultimate_hidden_states=torch.randn(batch, CLIP_TOKENS, 1280, generator=g))
+        return {"clip_vision_output": clip, "concat_latent_image": latent(16, frames)}, None
+    if variant == "ti2v":  # the first frame is the given image: its timestep is 0, the others' t
+        mask = torch.ones(batch, 1, frames, *hw)
+        mask[:, :, 0] = 0.0
+        return {}, mask
+    if variant == "reference":
+        return {"reference_latents": [latent(16, 1)]}, None
+    if variant == "camera":
+        return {"camera_conditions": torch.randn(batch, 24, frames, hw[0] * 8, hw[1] * 8, generator=g)}, None
+    if variant == "animate" and frames > 1:
+        return {"pose_video_latent": latent(16, frames - 1)}, None
+    return {}, None
+
+
+def sample(model, variant="t2v", frames=5, hw=SIZES["square"], batch=1, tokens=77, steps=2, cfg=1.0, seed=0,
+           config=None):
+    import comfy.sample
+
+    options, mask = variant_inputs(variant, batch, frames, hw, seed)
+    positive, negative = models.wan_conditioning(config or models.WAN_TINY, batch, tokens, seed, **options)
+    latent = torch.zeros(batch, channels(variant), frames, *hw)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                               noise_mask=mask, seed=seed, disable_pbar=True)
+
+
+def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=2, weights_interval=1):
+    """(model patched by the advanced ToMA node, its runtime)."""
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(
+        model, ratio, window, reuse, weights_interval=weights_interval, temporal_window=temporal_window)
+    return patched, pack.nodes.plan_records.runtime_of(patched)
+
+
+def relative_error(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def token_grid(frames, hw):
+    return frames, -(-hw[0] // 2), -(-hw[1] // 2)
+
+
+def dit_patches(model) -> dict:
+    return model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+
+
+def test_node_patches_a_clone_and_leaves_the_input_alone(pack, built):
+    model = built["t2v"]
+    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
+    before = sample(model)
+    patched = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
+    assert patched is not model
+    # 4 blocks: the first 5/38 (rounded) never merge, as Flux's first single blocks
+    assert set(dit_patches(patched)) == {("double_block", i) for i in (1, 2, 3)}
+    assert patched.get_wrappers("diffusion_model", "comfyui_toma")
+    assert not model.get_wrappers("diffusion_model", "comfyui_toma")
+    sample(patched)
+    assert model.model_options == before_options and model.wrappers == before_wrappers
+    assert torch.equal(sample(model), before)
+
+
+@pytest.mark.parametrize("depth,first", [(30, 4), (40, 5), (4, 1)])
+def test_first_blocks_skipped_scale_with_depth(pack, depth, first):
+    """Wan 2.1 1.3B and 2.2 5B (30 blocks) skip 4, the 14B models (40 blocks) 5."""
+    group = pack.nodes.adapters.dit.BlockGroup("double_block", "video", depth, None,
+                                               pack.nodes.adapters.dit.SKIP_FRACTION["single"])
+    assert group.merged() == range(first, depth)
+
+
+def test_ratio_zero_is_identical_to_unpatched(pack, built):
+    nodes = pack.nodes.toma_nodes
+    reference = sample(built["t2v"], hw=SIZES["odd"], batch=2, cfg=2.0)
+    for node in (nodes.ToMAPatchModel().patch(built["t2v"], 0.0, 4, 5)[0],
+                 nodes.ToMAPatchModelAdvanced().patch(built["t2v"], 0.0, 4, 5, temporal_window=2)[0]):
+        assert torch.equal(sample(node, hw=SIZES["odd"], batch=2, cfg=2.0), reference)
+
+
+# every pair of (frames, size, batch, text length) values occurs at least once: 6 runs, not 24
+PAIRWISE = [(1, "square", 1, 77), (1, "odd", 2, 512), (5, "square", 2, 512), (5, "odd", 1, 77),
+            (9, "square", 1, 512), (9, "odd", 2, 77)]
+
+
+@pytest.mark.parametrize("frames,size,batch,tokens", PAIRWISE)
+def test_half_ratio_merges_the_video_grid(pack, built, frames, size, batch, tokens):
+    model, hw = built["t2v"], SIZES[size]
+    patched, runtime = toma_patched(pack, model)
+    out = sample(patched, frames=frames, hw=hw, batch=batch, tokens=tokens)
+    reference = sample(model, frames=frames, hw=hw, batch=batch, tokens=tokens)
+    assert out.shape == reference.shape and torch.isfinite(out).all()
+    # 3 of 4 blocks run on half the tokens: a visible change, far from noise (relative L2 of 1); measured
+    # 0.017-0.020 on every size, frame count and temporal window
+    assert 0.0 < relative_error(out, reference) < 0.1
+    t, h, w = token_grid(frames, hw)
+    levels = runtime.summary()["levels"]
+    assert list(levels) == [f"video {t}x{h}x{w}"]
+    stats = levels[f"video {t}x{h}x{w}"]
+    assert stats["tokens"] == t * h * w and stats["steps"] == 2
+    # half of each window's real tokens survive (rounding per edge window)
+    assert abs(stats["merged_tokens"] - t * h * w / 2) <= t * h * w / 16
+
+
+@pytest.mark.parametrize("temporal_window", [1, 2])
+@pytest.mark.parametrize("variant", SERVED)
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, built, variant, temporal_window):
+    """Window 2 and ratio 0.05 keep every token of a window (up to 2x2x2 = 8) as a destination: merging
+    only permutes the video tokens (window-major, in selection order, across frames when windows span 2).
+    Attention does not care about order as long as each token keeps its own RoPE row and, on TI2V, its
+    own frame's modulation, so the output matches the unpatched model: this checks the pe and e0
+    gathers, the unmerge order, the reference tokens of Fun models, the CLIP context of I2V, batch rows
+    and CFG batches together."""
+    model = built[variant]
+    frames = 5 if variant != "ti2v" else 3
+    patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
+    out = sample(patched, variant, frames=frames, batch=2, cfg=2.0)
+    assert relative_error(out, sample(model, variant, frames=frames, batch=2, cfg=2.0)) < 1e-5
+    levels = runtime.summary()["levels"]
+    t, h, w = token_grid(frames, SIZES["square"])
+    assert levels == {f"video {t}x{h}x{w}": {"tokens": t * h * w, "merged_tokens": t * h * w, "steps": 2}}
+
+
+@pytest.mark.parametrize("variant", ["i2v", "ti2v", "reference", "vace", "camera", "animate"])
+def test_half_ratio_serves_every_variant(pack, built, variant):
+    """At ratio 0.5 each variant samples, changes, and counts only its video grid (never the reference
+    tokens of Fun models, nor the CLIP tokens of I2V)."""
+    model = built[variant]
+    patched, runtime = toma_patched(pack, model)
+    out = sample(patched, variant, hw=SIZES["square"])
+    reference = sample(model, variant, hw=SIZES["square"])
+    assert torch.isfinite(out).all() and 0.0 < relative_error(out, reference) < 0.1  # measured 0.015-0.036
+    t, h, w = token_grid(5, SIZES["square"])
+    assert {k: v["tokens"] for k, v in runtime.summary()["levels"].items()} == {f"video {t}x{h}x{w}": t * h * w}
+
+
+def _wan_call(pack, model, layout, batch=2, per_frame_modulation=True):
+    """Inputs of one Wan block call built the way WanModel builds them: pe from rope_encode over the
+    reference frame (t = 0), the video frames and the suffix frames, e0 with one row per frame."""
+    dm, wan = model.model.diffusion_model, pack.nodes.adapters.wan
+    g = torch.Generator().manual_seed(4)
+    ref_frames, suffix_frames = layout.prefix // (layout.h * layout.w), layout.suffix // (layout.h * layout.w)
+    frames = ref_frames + layout.frames + suffix_frames
+    pe = dm.rope_encode(frames, 2 * layout.h, 2 * layout.w)  # (1, L, 1, d/2, 2, 2)
+    L, C = pe.shape[1], dm.dim
+    rows = frames if per_frame_modulation else 1
+    args = {"img": torch.randn(batch, L, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
+            "vec": torch.randn(batch, rows, 6, C, generator=g), "pe": pe,
+            "transformer_options": {"sigmas": torch.tensor([1.0]), pack.nodes.adapters.dit.LAYOUT_KEY: layout}}
+    return args, wan
+
+
+@pytest.mark.parametrize("temporal_window", [1, 2])
+def test_merged_block_call_gets_destination_rows(pack, built, temporal_window):
+    """A spy in place of the Wan block sees: reference and suffix tokens untouched with their own RoPE
+    rows and modulation; each merged video token with the RoPE row and the e0 row (its frame's) of its
+    destination; text whole. The patch returns full-length tokens with the update unmerged onto all."""
+    model = built["ti2v"]
+    layout = pack.nodes.adapters.wan.VideoLayout(prefix=4 * 5, frames=3, h=4, w=5, suffix=4 * 5)
+    args, wan = _wan_call(pack, model, layout)
+    _, runtime = toma_patched(pack, model, temporal_window=temporal_window)
+    seen = {}
+
+    def spy(inputs):
+        seen.update(inputs)
+        return {"img": inputs["img"] + 1.0}
+
+    out = wan.WanPatch(runtime).block(dict(args), {"original_block": spy})
+    (plan,) = runtime.plans.values()
+    destinations = plan.destination_tokens()  # (B, N') raster index in the 3 x 4 x 5 grid
+    n, p = destinations.shape[1], layout.prefix
+    assert n < layout.tokens and seen["img"].shape[1] == p + n + layout.suffix
+    assert torch.equal(seen["txt"], args["txt"])
+    frame_rows = 20  # tokens per frame: e0 row r covers tokens [20 r, 20 (r + 1))
+    for b in range(2):
+        kept = torch.cat([torch.arange(p), p + destinations[b], torch.arange(p + 60, p + 80)])
+        assert torch.equal(seen["pe"][b], args["pe"][0][kept])
+        assert torch.equal(seen["vec"][b], args["vec"][b][kept // frame_rows])
+        assert torch.equal(seen["img"][b, :p], args["img"][b, :p])
+        assert torch.equal(seen["img"][b, p + n:], args["img"][b, p + 60:])
+    assert plan.grid.frames == 3 and plan.grid.tile_frames == temporal_window
+    # rows of U sum to 1: a +1 update on merged tokens is +1 on every video token
+    assert out["img"].shape == args["img"].shape
+    assert torch.allclose(out["img"], args["img"] + 1.0, atol=1e-5)
+
+
+def test_per_sample_modulation_passes_unchanged(pack, built):
+    """T2V/I2V e0 has one row per sample: the block gets it as it is."""
+    model = built["t2v"]
+    layout = pack.nodes.adapters.wan.VideoLayout(prefix=0, frames=2, h=4, w=4)
+    args, wan = _wan_call(pack, model, layout, per_frame_modulation=False)
+    _, runtime = toma_patched(pack, model)
+    seen = {}
+
+    def spy(inputs):
+        seen.update(inputs)
+        return {"img": inputs["img"]}
+
+    wan.WanPatch(runtime).block(dict(args), {"original_block": spy})
+    assert seen["vec"] is args["vec"] and seen["img"].shape[1] < args["img"].shape[1]
+
+
+def test_lora_on_a_patched_clone_still_applies(pack, built):
+    model = built["t2v"]
+    key = "diffusion_model.blocks.2.self_attn.v.weight"  # a merged block
+    toma, runtime = toma_patched(pack, model)
+    plain = sample(toma)
+    lora = toma.clone()  # as LoraLoader does after the ToMA node
+    weight = model.model.state_dict()[key]
+    diff = 0.5 * weight.abs().max() * (2 * torch.rand(weight.shape, generator=torch.Generator().manual_seed(7)) - 1)
+    assert set(lora.add_patches({key: (diff,)})) == {key}
+    with_lora = sample(lora)
+    assert torch.isfinite(with_lora).all() and not torch.equal(with_lora, plain)
+    assert runtime.summary()["levels"]["video 5x6x8"]["merged_tokens"] < 5 * 6 * 8
+    assert torch.equal(sample(toma), plain)  # weights restored
+
+
+def test_no_state_leaks_between_runs(pack, built):
+    """A run never reuses the plans of the run before it: same output after a run on another grid, and
+    the first plan of each run has destinations of its own."""
+    model = built["t2v"]
+    patched, runtime = toma_patched(pack, model)
+    first = sample(patched)
+    first_destinations = runtime.records["video 5x6x8"][0].plan.destinations
+    sample(patched, frames=9, hw=SIZES["odd"], batch=2, tokens=512, seed=7)
+    assert torch.equal(sample(patched), first)
+    again = runtime.records["video 5x6x8"][0].plan.destinations
+    assert again is not first_destinations and torch.equal(again, first_destinations)
+    assert {key[1] for key in runtime.plans} == {(5, 6, 8)}
+    assert pack.nodes.adapters.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
+
+
+@pytest.mark.parametrize("reuse,new_destinations", [(5, [0]), (2, [0, 2])])
+def test_four_step_schedule_builds_plans_where_it_should(pack, built, reuse, new_destinations):
+    """4 steps (a distilled Wan LoRA's schedule): new merge weights every step, new destinations at the
+    run's first step and then every ``reuse`` steps, never carried over from the run before."""
+    model = built["t2v"]
+    patched, runtime = toma_patched(pack, model, reuse=reuse)
+    for _ in range(2):
+        sample(patched, steps=4)
+        records = runtime.records["video 5x6x8"]
+        assert [r.step for r in records] == [0, 1, 2, 3] and runtime.clock.total == 4
+        fresh = [r.step for i, r in enumerate(records)
+                 if i == 0 or r.plan.destinations is not records[i - 1].plan.destinations]
+        assert fresh == new_destinations
+
+
+def test_with_easycache(pack, built, caplog):
+    """EasyCache skips whole model calls: ToMA merges exactly the steps the model still runs, rebuilds
+    the weights of each and keeps the destinations of the run's first step (reuse 5 > 4 steps)."""
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    model = built["t2v"]
+    toma, runtime = toma_patched(pack, model)
+    cached = EasyCacheNode.execute(toma, reuse_threshold=3.0, start_percent=0.0, end_percent=1.0, verbose=False)[0]
+    with caplog.at_level(logging.INFO):
+        out = sample(cached, steps=4)
+    skipped = [r.message for r in caplog.records if "EasyCache - skipped" in r.message]
+    assert torch.isfinite(out).all() and skipped
+    ran = 4 - int(skipped[-1].split("skipped ")[1].split("/")[0])
+    assert 1 <= ran < 4  # EasyCache did skip something, and the model ran
+    records = runtime.records["video 5x6x8"]
+    assert len(records) == ran == runtime.summary()["levels"]["video 5x6x8"]["steps"]
+    assert records[0].step == 0 and all(r.plan.destinations is records[0].plan.destinations for r in records)
+
+
+def test_real_480p_latent_with_tiny_width(pack):
+    """The latent of a 832x480 video (60x104, 30x52 tokens a frame), 2 latent frames, one step."""
+    config = dict(models.WAN_TINY, dim=32, ffn_dim=64, num_layers=2)
+    model = models.build_wan("t2v", seed=6, config=config)
+    patched, runtime = toma_patched(pack, model)
+    out = sample(patched, frames=2, hw=(60, 104), steps=1, config=config)
+    assert out.shape == (1, 16, 2, 60, 104) and torch.isfinite(out).all()
+    assert runtime.summary()["levels"] == {"video 2x30x52": {"tokens": 3120, "merged_tokens": 1560, "steps": 1}}
+
+
+@pytest.mark.parametrize("variant,why", [("s2v", "without transformer_options"), ("humo", "equal runs per frame")])
+def test_unserved_variants_come_back_unpatched(pack, variant, why, caplog):
+    model = models.build_wan(variant, seed=9)
+    assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.wan
+    before = copy.deepcopy(model.model_options)
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        out = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
+    assert out is model and model.model_options == before
+    assert why in caplog.text and pack.nodes.adapters.wan.SERVED in caplog.text
