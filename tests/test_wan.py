@@ -325,6 +325,17 @@ def test_real_480p_latent_with_tiny_width(pack):
     assert runtime.summary()["levels"] == {"video 2x30x52": {"tokens": 3120, "merged_tokens": 1560, "steps": 1}}
 
 
+def test_sampling_waits_for_the_device_at_most_once_per_model_call(pack, built):
+    """No host-device sync per block call (tests/test_syncs.py says how it is counted), on the TI2V model
+    with per-frame modulation, so the RoPE and e0 row gathers are watched too."""
+    from test_syncs import STEPS, check_bound, watched_run
+
+    patched, runtime = toma_patched(pack, built["ti2v"])
+    counter = watched_run(patched, lambda m: sample(m, "ti2v", frames=3, steps=STEPS))
+    assert runtime.summary()["levels"], "Wan merged nothing: the count would prove nothing"
+    check_bound(counter)
+
+
 @pytest.mark.parametrize("variant,why", [("s2v", "without transformer_options"), ("humo", "equal runs per frame")])
 def test_unserved_variants_come_back_unpatched(pack, variant, why, caplog):
     model = models.build_wan(variant, seed=9)

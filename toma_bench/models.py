@@ -274,10 +274,10 @@ def build_wan(variant: str = "t2v", seed: int = 0, dtype: torch.dtype = torch.fl
     model_config, changes = WAN_VARIANTS[variant]
     cfg = getattr(comfy.supported_models, model_config)({**(config or WAN_TINY), **changes})
     cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({}, device=device)
+    base = cfg.get_model({}, device=device)  # layers in ``dtype``, but Wan keeps its patch embedding fp32
     init_weights_(base, seed, draw_device)
     _unit_norm_scales_(base)
-    return _patcher(base.to(dtype))
+    return _patcher(base)
 
 
 def wan_conditioning(config: dict, batch: int = 1, tokens: int = 512, seed: int = 0, **options):

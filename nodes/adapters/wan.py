@@ -17,12 +17,13 @@ What a block call sees and what runs merged:
 - Positions: ``pe`` holds one 3-D RoPE row per token (dim 1, in the order above); a merged token takes
   its destination's row.
 - Modulation: ``vec`` (e0) is per sample, except on the 5B TI2V model in image-to-video, where the
-  timestep is per frame (the conditioning frame is at t = 0) and the block repeats e0's rows over the
-  tokens. A merged token takes its destination's row too, found by running ComfyUI's own ``repeat_e``
-  on the row indices. Why not merge the rows with the plan's weights: a blend of the modulations of two
-  timesteps is the modulation of no timestep, and the merged token already *is* its destination for
-  RoPE; gathering also costs no matmul over 6 x C channels. Inside a frame the rows are equal, so both
-  choices agree everywhere but at the borders of windows spanning the conditioning frame.
+  timestep is per frame (the conditioning frame is at t = 0) and the block spreads e0's rows over the
+  tokens in equal runs (``repeat_e``). A merged token takes its destination's row too, so the block
+  gets one row per merged token. Why not merge the rows with the plan's weights: a blend of the
+  modulations of two timesteps is the modulation of no timestep, and the merged token already *is* its
+  destination for RoPE; gathering also costs no matmul over 6 x C channels. All frames but the
+  conditioning one share a row, so the two choices differ only for tokens merged across that frame and
+  the next (temporal windows of 2 or more).
 - VACE hint blocks and Animate's face adapter run outside the replaced blocks, on full-length tokens.
 
 Which blocks: one group of ``len(blocks)`` blocks (30 in 1.3B and 5B, 40 in 14B). Each Wan block is a
@@ -135,14 +136,19 @@ def modulation_per_token(vec) -> bool:
     return torch.is_tensor(vec) and vec.dim() == 4 and vec.shape[1] > 1
 
 
+def modulation_rows(rows: int, tokens: int, device) -> torch.Tensor:
+    """(tokens,) long: the row of an e0 of ``rows`` rows that a Wan block applies to each of ``tokens``
+    tokens, as ComfyUI's ``repeat_e`` spreads them: runs of tokens / rows tokens a row, or, when rows do
+    not divide the tokens, runs one token longer cut at the end. Arithmetic on the device, where
+    ``repeat_e`` on an index tensor would be a data-sized op inside every block call."""
+    run = tokens // rows
+    if run * rows != tokens:
+        run += 1
+    return torch.arange(tokens, device=device) // run
+
+
 class WanPatch(DiTPatch):
     """The "dit" double_block patches of one patched Wan clone."""
-
-    def __init__(self, runtime):
-        super().__init__(runtime)
-        from comfy.ldm.wan.model import repeat_e
-
-        self.repeat_rows = repeat_e  # how a Wan block spreads e0's rows over the tokens
 
     def plan_for(self, group: str, video: torch.Tensor, layout: VideoLayout, options: dict):
         grid = layout.grid
@@ -167,8 +173,7 @@ class WanPatch(DiTPatch):
         index = joint_index(prefix, layout, plan.destination_tokens().to(pe.device))
         inputs = {"pe": take_rows(pe, index, 1)}
         if modulation_per_token(vec):
-            rows = torch.arange(vec.shape[1], device=vec.device).view(1, -1, 1)
-            row_of_token = self.repeat_rows(rows, args["img"]).view(-1)  # (L,): e0 row of every token
+            row_of_token = modulation_rows(vec.shape[1], args["img"].shape[1], vec.device)
             inputs["vec"] = take_rows(vec, row_of_token[index.to(vec.device)], 1)
         return inputs
 
