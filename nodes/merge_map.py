@@ -54,7 +54,8 @@ def window_borders(index: torch.Tensor, window: int) -> torch.Tensor:
 def render_record(record: PlanRecord, height: int, width: int, image: torch.Tensor | None = None,
                   opacity: float = 1.0) -> torch.Tensor:
     """(height, width, 3) float in [0, 1]: the merge groups of ``record`` stretched over the picture;
-    groups of one token are grey.
+    groups of one token are grey. Video plans: the first frame's tokens (their groups may reach into the
+    next frames).
 
     image: optional (H', W', 3) picture shown under the groups (resized), the groups at ``opacity``.
     """
@@ -66,7 +67,7 @@ def render_record(record: PlanRecord, height: int, width: int, image: torch.Tens
     alone = torch.bincount(groups, minlength=groups.numel()) == 1  # kept tokens nothing was merged into
     picture[alone[groups[token]]] = SINGLE_GREY
     kept = torch.zeros(record.h * record.w, dtype=torch.bool)
-    kept[record.kept.long()] = True
+    kept[record.kept.long()[record.kept < record.h * record.w]] = True  # video: the first frame's
     dot = kept[token] & row_centre[:, None] & col_centre[None, :]
     picture[dot] *= 0.3
     if image is not None:

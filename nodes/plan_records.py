@@ -41,6 +41,7 @@ class PlanRecord:
     w: int
     cell: tuple[int, int] | None
     plan: object
+    frames: int = 1  # video grids: frames x h x w tokens, raster order frame by frame
 
     @cached_property
     def _groups_and_kept(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,16 +91,17 @@ def bipartite_groups(plan: BipartitePlan) -> tuple[torch.Tensor, torch.Tensor]:
     return groups, kept
 
 
-def record_plan(plan, step: int, hw: tuple[int, int], strategy=None) -> PlanRecord:
-    """The PlanRecord of ``plan`` used from ``step`` on, for a grid of ``hw`` tokens. ``strategy`` gives
-    the cell size of bipartite plans (its ``sy``, ``sx``)."""
+def record_plan(plan, step: int, hw: tuple[int, ...], strategy=None) -> PlanRecord:
+    """The PlanRecord of ``plan`` used from ``step`` on, for a grid of ``hw`` = (h, w) or (frames, h, w)
+    tokens. ``strategy`` gives the cell size of bipartite plans (its ``sy``, ``sx``)."""
     if isinstance(plan, (MergePlan, IdentityPlan)):
         cell = (plan.grid.tile, plan.grid.tile)
     elif isinstance(plan, BipartitePlan):
         cell = (strategy.sy, strategy.sx) if hasattr(strategy, "sy") and hasattr(strategy, "sx") else None
     else:
         raise TypeError(f"cannot record a {type(plan).__name__}")
-    return PlanRecord(step, int(hw[0]), int(hw[1]), cell, plan)
+    frames = int(hw[0]) if len(hw) == 3 else 1
+    return PlanRecord(step, int(hw[-2]), int(hw[-1]), cell, plan, frames)
 
 
 # -- MODEL -> runtime ---------------------------------------------------------------------------
