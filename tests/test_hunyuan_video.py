@@ -331,3 +331,21 @@ def test_a_model_without_the_latent_wrapper_comes_back_unpatched(pack, caplog):
         out = pack.nodes.toma_nodes.ToMAPatchModel().patch(bare, 0.5, 4, 5)[0]
     assert out is bare
     assert "no model wrapper" in caplog.text
+
+
+def test_real_latent_with_tiny_width(pack):
+    """A real latent size, 17 frames of 512x320 (5 x 40 x 64 latent -> 5 x 20 x 32 tokens), one step,
+    tiny widths: every block group merges half of the grid, windows padded at the grid's edges."""
+    import comfy.sample
+
+    config = dict(CONFIG, hidden_size=32, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[4, 6, 6])
+    small = models.build_hunyuan_video(seed=9, config=config)
+    patched, runtime = toma_patched(pack, small)
+    positive, negative = models.video_conditioning("hunyuan_video", config, 1, 77, 0)
+    noise = torch.randn(1, 16, 5, 40, 64, generator=torch.Generator().manual_seed(0))
+    out = comfy.sample.sample(patched, noise, 1, 1.0, "euler", "simple", positive, negative, torch.zeros(noise.shape),
+                              seed=0, disable_pbar=True)
+    assert out.shape == noise.shape and torch.isfinite(out).all()
+    levels = runtime.summary()["levels"]
+    assert sorted(levels) == ["double 5x20x32", "single 5x20x32"]
+    assert all(v["tokens"] == 3200 and abs(v["merged_tokens"] - 1600) <= 100 for v in levels.values())

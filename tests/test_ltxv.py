@@ -243,3 +243,21 @@ def test_a_model_without_the_latent_wrapper_comes_back_unpatched(pack, caplog):
         out = pack.nodes.toma_nodes.ToMAPatchModel().patch(bare, 0.5, 4, 5)[0]
     assert out is bare
     assert "no model wrapper" in caplog.text
+
+
+def test_real_latent_with_tiny_width(pack):
+    """LTX-Video's own example size, 97 frames of 768x512 (a 13 x 16 x 24 latent, as many tokens), one
+    step, tiny widths: half of the grid merges, windows padded at the last frame."""
+    import comfy.sample
+
+    config = dict(CONFIG, cross_attention_dim=32, attention_head_dim=16, num_attention_heads=2, num_layers=1)
+    small = models.build_ltxv(seed=9, config=config)
+    patched, runtime = toma_patched(pack, small)
+    positive, negative = models.video_conditioning("ltxv", config, 1, 128, 0)
+    noise = torch.randn(1, CHANNELS, 13, 16, 24, generator=torch.Generator().manual_seed(0))
+    out = comfy.sample.sample(patched, noise, 1, 1.0, "euler", "simple", positive, negative, torch.zeros(noise.shape),
+                              seed=0, disable_pbar=True)
+    assert out.shape == noise.shape and torch.isfinite(out).all()
+    (stats,) = runtime.summary()["levels"].values()
+    assert list(runtime.summary()["levels"]) == ["video 13x16x24"]
+    assert stats["tokens"] == 4992 and abs(stats["merged_tokens"] - 2496) <= 100
