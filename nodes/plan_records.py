@@ -32,8 +32,9 @@ class PlanRecord:
     """One plan as the merge map draws it (batch row 0).
 
     step: sampling step at which the plan was built; it stays in use until the next record of its level.
-    h, w: token grid. cell: (rows, cols) of the windows the method merges inside (ToMA tiles, ToMeSD
-    cells) for drawing their borders, None if unknown. plan: the MergePlan, BipartitePlan or IdentityPlan.
+    h, w: token grid (of each frame of a video). cell: (rows, cols) of the windows the method merges
+    inside (ToMA tiles, ToMeSD cells) for drawing their borders, None if unknown. plan: the MergePlan,
+    BipartitePlan or IdentityPlan. frames: latent frames of a video grid (frames x h x w), 1 for an image.
     """
 
     step: int
@@ -41,7 +42,7 @@ class PlanRecord:
     w: int
     cell: tuple[int, int] | None
     plan: object
-    frames: int = 1  # video grids: frames x h x w tokens, raster order frame by frame
+    frames: int = 1
 
     @cached_property
     def _groups_and_kept(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,16 +93,15 @@ def bipartite_groups(plan: BipartitePlan) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def record_plan(plan, step: int, hw: tuple[int, ...], strategy=None) -> PlanRecord:
-    """The PlanRecord of ``plan`` used from ``step`` on, for a grid of ``hw`` = (h, w) or (frames, h, w)
-    tokens. ``strategy`` gives the cell size of bipartite plans (its ``sy``, ``sx``)."""
+    """The PlanRecord of ``plan`` used from ``step`` on, for a grid of ``hw`` tokens, (h, w) or
+    (frames, h, w). ``strategy`` gives the cell size of bipartite plans (its ``sy``, ``sx``)."""
     if isinstance(plan, (MergePlan, IdentityPlan)):
         cell = (plan.grid.tile, plan.grid.tile)
     elif isinstance(plan, BipartitePlan):
         cell = (strategy.sy, strategy.sx) if hasattr(strategy, "sy") and hasattr(strategy, "sx") else None
     else:
         raise TypeError(f"cannot record a {type(plan).__name__}")
-    frames = int(hw[0]) if len(hw) == 3 else 1
-    return PlanRecord(step, int(hw[-2]), int(hw[-1]), cell, plan, frames)
+    return PlanRecord(step, int(hw[-2]), int(hw[-1]), cell, plan, int(hw[0]) if len(hw) == 3 else 1)
 
 
 # -- MODEL -> runtime ---------------------------------------------------------------------------

@@ -93,3 +93,37 @@ def test_flux_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
 
     assert runtime.summary()["levels"], "Flux merged nothing: the count would prove nothing"
     check_bound(counter)
+
+
+VIDEO_CALLS = {
+    # family -> (builder, conditioning arch, config, latent channels, extra conditioning): image-to-video
+    # runs, so the first-frame modulation ranges (HunyuanVideo) and per-token timesteps (LTX-Video) are
+    # in the hot path too
+    "HunyuanVideo": (models.build_hunyuan_video, "hunyuan_video", models.HUNYUAN_VIDEO_TINY, 16,
+                     {"guiding_frame_index": 0}),
+    "LTX-Video": (models.build_ltxv, "ltxv", models.LTXV_TINY, 128, {}),
+}
+
+
+@pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
+@pytest.mark.parametrize("family", list(VIDEO_CALLS))
+def test_video_dit_sampling_waits_for_the_device_at_most_once_per_model_call(pack, family):
+    import comfy.sample
+
+    build, arch, config, channels, extra = VIDEO_CALLS[family]
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(build(seed=0), 0.5, 4, 5)
+    runtime = pack.nodes.plan_records.runtime_of(patched)
+    positive, negative = models.video_conditioning(arch, config, 1, 32, seed=0, **extra)
+    shape = (1, channels, 5, 8, 12)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(1, 1, *shape[2:])
+    mask[:, :, 0] = 0.0  # the first latent frame is the input image
+
+    def run(m):
+        comfy.sample.sample(m, noise, STEPS, 1.0, "euler", "simple", positive, negative, torch.zeros(shape),
+                            seed=0, disable_pbar=True, noise_mask=mask)
+
+    counter = watched_run(patched, run)
+
+    assert runtime.summary()["levels"], f"{family} merged nothing: the count would prove nothing"
+    check_bound(counter)
