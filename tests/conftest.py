@@ -1,7 +1,8 @@
 """Shared pytest setup.
 
-The repo root goes on sys.path so engine tests can ``import toma_core`` without ComfyUI. Nothing
-here imports ComfyUI: tests that need it ask for the ``comfy`` fixture (or call comfy_host directly).
+The repo root goes on sys.path so engine tests can ``import toma_core`` without ComfyUI, and every test
+can import the harness ``toma_bench``. Nothing here imports ComfyUI: tests that need it ask for the
+``comfy`` fixture (or call comfy_host directly).
 """
 import os
 import sys
@@ -12,11 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-TESTS = str(Path(__file__).resolve().parent)
-if TESTS not in sys.path:  # `import comfy_host` from any test, whatever pytest's import mode
-    sys.path.insert(0, TESTS)
 
-import comfy_host  # after the sys.path lines above; imports nothing from ComfyUI
+from toma_bench import comfy_host  # after the sys.path lines above; imports nothing from ComfyUI
 
 
 @pytest.fixture(scope="session")
@@ -40,4 +38,4 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_report_header(config):
-    return f"ComfyUI tree: {os.environ.get('COMFYUI_PATH') or REPO / '.comfyui'} (COMFYUI_PATH overrides)"
+    return f"ComfyUI tree: {os.environ.get('COMFYUI_PATH') or comfy_host.PINNED_TREE} (COMFYUI_PATH overrides)"

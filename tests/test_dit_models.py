@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-import comfy_host
+from toma_bench import comfy_host
 from toma_bench import models
 
 

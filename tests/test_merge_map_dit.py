@@ -1,12 +1,11 @@
 """ToMA Merge Map and live stats on a DiT: Flux's double and single block groups share one token grid."""
-import importlib
 import sys
 import types
 
 import pytest
 import torch
 
-import comfy_host
+from toma_bench import comfy_host, models
 
 
 
@@ -19,7 +18,6 @@ LATENT = (26, 38)  # 832x1216 / 4: a 13x19 token grid with patch size 2
 def test_flux_merge_map_and_stats_show_both_block_groups(pack, monkeypatch):
     import comfy.sample
 
-    models = importlib.import_module(f"{pack.__name__}.toma_bench.models")
     sent = []
     instance = types.SimpleNamespace(client_id=None, send_sync=lambda event, data, sid=None: sent.append(data))
     server = types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=instance))

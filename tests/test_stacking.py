@@ -29,7 +29,7 @@ def unet(pack):
 def run_node(name, **inputs):
     """Node ``name`` of ComfyUI or of the pack (V1 class or V3 ComfyNode), with the defaults of the
     inputs not given."""
-    import comfy_host
+    from toma_bench import comfy_host
     import nodes  # ComfyUI's nodes.py
 
     mappings = {**nodes.NODE_CLASS_MAPPINGS, **comfy_host.load_pack().NODE_CLASS_MAPPINGS}

@@ -10,7 +10,7 @@ its checkpoint steps only). On failure the message lists every site.
 import pytest
 import torch
 
-import comfy_host
+from toma_bench import comfy_host
 from toma_bench import models
 from toma_bench.syncs import SyncCounter
 

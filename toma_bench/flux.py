@@ -23,55 +23,13 @@ latent. On CUDA the runtime's clocks are CUDA events (nodes.live_stats.StageCloc
 """
 import argparse
 import datetime
-import importlib.util
-import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-PACK = "comfyui_toma"
-
-
-def has_flux(root: Path) -> bool:
-    return (root / "comfy" / "ldm" / "flux" / "model.py").is_file()
-
-
-def import_comfy(device: str, require_flux: bool = True) -> Path:
-    """ComfyUI's core modules (``$COMFYUI_PATH``, else <repo>/.comfyui-current) on ``device`` with PyTorch
-    SDPA; on CUDA in high-VRAM mode, so the weights stay on the GPU between interleaved runs. Imports
-    neither ComfyUI's nodes.py nor anything it pulls in (PyAV, the API nodes)."""
-    root = Path(os.environ.get("COMFYUI_PATH") or REPO / ".comfyui-current").resolve()
-    if not (root / "comfy" / "model_management.py").is_file() or (require_flux and not has_flux(root)):
-        raise SystemExit(f"no ComfyUI{' with Flux' if require_flux else ''} at {root}: set COMFYUI_PATH "
-                         "(tests/setup_current.sh makes one)")
-    if "comfy.model_management" in sys.modules:
-        raise RuntimeError("ComfyUI was imported before import_comfy(): the device cannot be chosen")
-    sys.path.insert(0, str(root))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = device == "cpu"
-    comfy.cli_args.args.highvram = device == "cuda"
-    comfy.cli_args.args.use_pytorch_cross_attention = True
-    import comfy.model_management  # imported for its side effect: it picks the device and attention backend now
-
-    return root
-
-
-def load_pack():
-    """The repo imported as the package ``comfyui_toma`` (its ``nodes/`` must not shadow ComfyUI's nodes.py)."""
-    if PACK in sys.modules:
-        return sys.modules[PACK]
-    spec = importlib.util.spec_from_file_location(PACK, REPO / "__init__.py",
-                                                  submodule_search_locations=[str(REPO)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[PACK] = module
-    spec.loader.exec_module(module)
-    return module
+from . import comfy_host, models
 
 
 def toma_variant(pack, model, ratio: float, window: int, reuse: int):
@@ -180,10 +138,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    import_comfy(args.device)
-    pack = load_pack()
-    from . import models
-
+    comfy_host.import_core(args.device)
+    pack = comfy_host.load_pack()
     cuda = args.device == "cuda"
     config, dtype = (models.FLUX_FULL, torch.bfloat16) if cuda else (models.FLUX_SMALL, torch.float32)
     built = time.perf_counter()

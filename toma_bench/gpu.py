@@ -45,9 +45,8 @@ from pathlib import Path
 
 import torch
 
-from . import flux as flux_bench
+from . import comfy_host, models
 from .flux import format_cell
-from . import models
 
 DEFAULT_BUDGET_S = 420  # the kit must finish in 8 minutes on an H100/H200, installs and start-up included
 SEED = 0
@@ -349,7 +348,7 @@ def comfy_description(root: Path) -> str:
     commit = root / ".comfyui-commit"
     if commit.is_file():
         return f"{commit.read_text().strip()[:12]} ({root.name})"
-    return f"tree at {root.name}" + ("" if flux_bench.has_flux(root) else " (March 2024, no Flux)")
+    return f"tree at {root.name}" + ("" if comfy_host.has_flux(root) else " (March 2024, no Flux)")
 
 
 def parse_args(argv):
@@ -382,8 +381,8 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
     cuda = not args.dry_run
-    root = flux_bench.import_comfy("cuda" if cuda else "cpu", require_flux=False)
-    pack = flux_bench.load_pack()
+    root = comfy_host.import_core("cuda" if cuda else "cpu", require_flux=False)
+    pack = comfy_host.load_pack()
     meta = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "machine": (f"{torch.cuda.get_device_name()}, {platform.node()}" if cuda
                         else f"CPU dry run (tiny models), {platform.node()}"),
@@ -394,7 +393,7 @@ def main(argv=None) -> None:
     deadline = started + args.budget_s
     sizes = scales(args.dry_run)
     todo, complete = list(args.models), True
-    if "flux" in todo and not flux_bench.has_flux(root):
+    if "flux" in todo and not comfy_host.has_flux(root):
         todo.remove("flux")
         results.notes.append(f"flux skipped: this ComfyUI tree ({root}) has no Flux (the pinned March 2024 tree); "
                              "prepare.sh packs the current one when its mirror is at hand")

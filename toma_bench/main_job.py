@@ -10,7 +10,7 @@ a random-weight SD1.5-width checkpoint written once into ``.cache/main_job/`` (o
 method runs as its own prompt (ComfyUI caches node outputs, so a shared graph would time only the first
 branch) after one warm-up prompt that loads everything; the time of a run is the wall time of its KSampler
 node, read from the websocket's ``executing`` messages. It uses the same server helpers as the tests
-(tests/server.py, tests/comfy_host.py).
+(toma_bench/server.py, toma_bench/comfy_host.py).
 """
 from __future__ import annotations
 
@@ -30,15 +30,13 @@ import traceback
 from pathlib import Path
 from typing import NamedTuple
 
+from . import comfy_host, models, server
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "main_job"
 WORKFLOW = "sd15_compare_api.json"
 LABELS = {"unpatched": "unpatched", "toma": "ToMA", "tomesd": "ToMeSD"}  # SaveImage prefix -> table label
 TEXT_ENCODER_PREFIXES = ("cond_stage_model.", "conditioner.", "text_encoders.")  # SD1.x/2.x, SDXL, SD3-style
-
-sys.path.insert(0, str(REPO / "tests"))  # the test harness drives the headless ComfyUI (imported below)
-import comfy_host
-import server
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,8 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def default_unet_config() -> dict:
     """SD1.5's widths (320 channels, 768-wide text context, so ComfyUI detects SD1.5) on its two
     highest-resolution levels, one block each: where token merging acts, at a CPU-friendly 107M params."""
-    from toma_bench import models
-
     return dict(models.SD15_SMALL, channel_mult=[1, 2], num_res_blocks=[1, 1], transformer_depth=[1, 1],
                 transformer_depth_output=[1, 1, 1, 1])
 
@@ -97,8 +93,6 @@ def default_checkpoint() -> Path:
 
 
 def write_checkpoint(path: str) -> None:
-    from toma_bench import models
-
     comfy_host.import_comfy()
     models.save_sd15_checkpoint(path, seed=0, config=default_unet_config(), vae=True)
 

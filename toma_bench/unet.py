@@ -16,18 +16,18 @@ noised to the first sigma; every variant sees the same input there) and the PSNR
 """
 import argparse
 import contextlib
-import importlib
 import logging
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from . import comfy_host, models
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,9 +57,6 @@ DEFAULTS = {
 # -- setup --------------------------------------------------------------------------------------------
 def import_host(device: str, sdpa: bool):
     """ComfyUI (attention backend fixed for the process) and the pack, as (comfy nodes module, pack)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import comfy_host
-
     comfy_host.import_comfy(pytorch_attention=sdpa, cpu=device == "cpu")
     pack = comfy_host.load_pack()
     import nodes as comfy_nodes  # ComfyUI's nodes.py (import_comfy put its tree first on sys.path)
@@ -81,7 +78,7 @@ class Job:
     device: str  # "cpu" or "cuda": where ComfyUI runs the model
 
 
-def make_job(arch: str, config_name: str, steps: int, device: str, models) -> Job:
+def make_job(arch: str, config_name: str, steps: int, device: str) -> Job:
     side = LATENT_SIDE[arch]
     latent = models.structured_latent(1, side, side, seed=SEED)
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(SEED + 1))
@@ -241,11 +238,9 @@ def timed_call(model, call, sync) -> tuple[float, float]:
 
 def find_runtime(pack):
     """model -> its MergeRuntime (through the id the pack's nodes write into transformer_options), or None."""
-    records = importlib.import_module(f"{pack.__name__}.nodes.plan_records")
-
     def runtime_of(model):
         try:
-            return records.runtime_of(model)
+            return pack.nodes.plan_records.runtime_of(model)
         except ValueError:
             return None
 
@@ -291,11 +286,11 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
     holder = [None]
     recorded = base.clone()
     recorded.set_model_unet_function_wrapper(recording_wrapper(holder))
-    models = [v.patch(recorded) for v in variants]
+    patched = [v.patch(recorded) for v in variants]
     runtime_of = find_runtime(pack)
     start = time.perf_counter()
     finals, recordings, removed = [], [], []
-    for model in models:
+    for model in patched:
         final, rec = sample(model, job, holder)
         finals.append(final)
         recordings.append(rec)
@@ -312,11 +307,11 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
     for rep in range(repeats):
         start = time.perf_counter()
         for k in range(n_calls):
-            for i, (model, rec) in enumerate(zip(models, recordings)):
+            for i, (model, rec) in enumerate(zip(patched, recordings)):
                 w, c = timed_call(model, rec.calls[k], sync)
                 wall[i][rep] += w
                 cpu[i][rep] += c
-        for i, model in enumerate(models):  # a runtime's seconds cover its current run: this repeat
+        for i, model in enumerate(patched):  # a runtime's seconds cover its current run: this repeat
             runtime = runtime_of(model)
             if runtime is not None:
                 shares[i][rep] = {k: v / wall[i][rep] for k, v in runtime.stage_clock.seconds().items()}
@@ -434,7 +429,6 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     comfy_nodes, pack = import_host(args.device, args.attention == "sdpa")
     logging.getLogger().setLevel(logging.WARNING)  # after ComfyUI's basicConfig(INFO): no per-run chatter
-    models = importlib.import_module(f"{pack.__name__}.toma_bench.models")
     full = args.config == "full" or (args.config == "auto" and cuda)
     dtype = torch.float16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -442,7 +436,7 @@ def main(argv=None) -> None:
     threads = torch.get_num_threads()
     device_name = torch.cuda.get_device_name() if cuda else f"CPU, {threads} thread{'s' if threads > 1 else ''}"
     print(f"torch {torch.__version__}; {device_name}; {str(dtype).removeprefix('torch.')}; attention "
-          f"{args.attention}; ComfyUI {'current' if pack_is_current() else 'March 2024'}; {SAMPLER}/{SCHEDULER} "
+          f"{args.attention}; ComfyUI {'current' if comfy_host.is_current_comfy() else 'March 2024'}; {SAMPLER}/{SCHEDULER} "
           f"img2img denoise {DENOISE}, cfg {CFG}; self-attention q/k gain {args.qk_gain:g}", flush=True)
 
     rows = []
@@ -452,7 +446,7 @@ def main(argv=None) -> None:
             steps, repeats, ratios = DEFAULTS[args.device, mode, arch]
             steps, repeats = args.steps or steps, args.repeats or repeats
             ratios = parse_floats("ratios", args.ratios or ratios, 0.0, 0.9)
-            job = make_job(arch, config_name, steps, args.device, models)
+            job = make_job(arch, config_name, steps, args.device)
             base = models.build_unet(arch, seed=SEED, dtype=dtype, config=getattr(models, config_name))
             sharpen_self_attention_(base.model.diffusion_model, args.qk_gain)
             if args.sweep:
@@ -474,8 +468,3 @@ def main(argv=None) -> None:
         plot(rows, Path(args.plot), title)
         print(f"plot: {args.plot}")
 
-
-def pack_is_current() -> bool:
-    import comfy_host
-
-    return comfy_host.is_current_comfy()
