@@ -12,6 +12,7 @@ import torch
 
 from toma_bench import comfy_host
 from toma_bench import models
+from toma_bench.metrics import relative_l2
 
 
 
@@ -42,10 +43,6 @@ def toma_runtime(pack, model, ratio=0.5, window=4, reuse=5):
     core, runtime = pack.toma_core, pack.nodes.runtime
     method = runtime.ToMAMethod(ratio, window, core.ReuseSchedule(0.0, 1.0, reuse, 1), core.DEFAULT_TAU, False)
     return runtime.MergeRuntime(method, model.get_model_object("model_sampling"), "ToMA")
-
-
-def relative_error(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def dit_patches(model) -> dict:
@@ -98,7 +95,7 @@ def test_half_ratio_merges_every_group(pack, built, arch, size, batch, tokens):
     out = sample(patched, arch, hw, batch, tokens)
     reference = sample(model, arch, hw, batch, tokens)
     assert out.shape == reference.shape and torch.isfinite(out).all()
-    assert 0.0 < relative_error(out, reference) < 0.25
+    assert 0.0 < relative_l2(out, reference) < 0.25
     h, w = -(-hw[0] // 2), -(-hw[1] // 2)
     levels = runtime.summary()["levels"]
     groups = ["double", "single"] if arch == "flux" else ["double"]
@@ -119,7 +116,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, built, ar
     runtime = toma_runtime(pack, model, ratio=0.1, window=2)
     patched = pack.nodes.dit.patch_dit(model, runtime)
     out = sample(patched, arch, SIZES["odd"], batch=2, cfg=2.0)
-    assert relative_error(out, sample(model, arch, SIZES["odd"], batch=2, cfg=2.0)) < 1e-5
+    assert relative_l2(out, sample(model, arch, SIZES["odd"], batch=2, cfg=2.0)) < 1e-5
     assert all(s["steps"] == 2 for s in runtime.summary()["levels"].values()) and runtime.summary()["levels"]
 
 
@@ -130,7 +127,7 @@ def test_kontext_reference_tokens_stay_unmerged(pack, built):
     reference = models.structured_latent(1, 20, 14, seed=3, channels=16)
     exact = toma_runtime(pack, model, ratio=0.1, window=2)
     out = sample(pack.nodes.dit.patch_dit(model, exact), "flux", SIZES["odd"], reference=reference)
-    assert relative_error(out, sample(model, "flux", SIZES["odd"], reference=reference)) < 1e-5
+    assert relative_l2(out, sample(model, "flux", SIZES["odd"], reference=reference)) < 1e-5
     half = toma_runtime(pack, model)
     out = sample(pack.nodes.dit.patch_dit(model, half), "flux", SIZES["odd"], reference=reference)
     assert torch.isfinite(out).all()

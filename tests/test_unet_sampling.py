@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from toma_bench import models
+from toma_bench.metrics import relative_l2
 
 pytestmark = pytest.mark.comfy
 
@@ -68,10 +69,6 @@ def blocks_of(model):
 
 def runs_class_forward(block):
     return block.forward.__func__ is type(block).forward
-
-
-def relative_error(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def toma_warnings(caplog):
@@ -134,7 +131,7 @@ def test_catome_threshold_one_stays_close(pack, sd15, caplog):
 
     out = sample(patched, "sd15")
 
-    assert relative_error(out, sd15.reference) < 1e-5
+    assert relative_l2(out, sd15.reference) < 1e-5
     level = merged_levels(pack, patched)[1]
     assert level["merged_tokens"] == level["tokens"] == 32 * 32
     assert not toma_warnings(caplog)
@@ -267,7 +264,7 @@ def test_both_attention_backends_run_on_merged_tokens(pack, sd15, monkeypatch, s
         assert (32 * 32, 32 * 32) not in self_attention, f"{backend}: full-resolution self-attention ran"
         # scope "block" also runs cross-attention (and the feed-forward) on the merged tokens
         assert (kept in cross_attention) == (scope == "block")
-    assert relative_error(outputs["attention_pytorch"], outputs["attention_sub_quad"]) < 1e-4
+    assert relative_l2(outputs["attention_pytorch"], outputs["attention_sub_quad"]) < 1e-4
 
 
 # -- isolation: the input MODEL, other clones, later runs --------------------------------------------------
@@ -341,9 +338,9 @@ def test_toma_stays_close_to_unpatched_on_structured_latents(pack, sd15):
         return got[0]
 
     reference = eps(base)
-    toma = relative_error(eps(patch(pack, "ToMAPatchModel", base, **TOMA)), reference)
+    toma = relative_l2(eps(patch(pack, "ToMAPatchModel", base, **TOMA)), reference)
     # deliberately bad: 90% of the tokens merged, softly (tau 1 averages each window), in 32x32 windows
-    bad = relative_error(eps(patch(pack, "ToMAPatchModelAdvanced", base,
+    bad = relative_l2(eps(patch(pack, "ToMAPatchModelAdvanced", base,
                                    **advanced(ratio=0.9, window_size=32, tau=1.0))), reference)
 
     # Measured (both trees): ToMA 0.7%, ratio 0.9 in 4x4 windows 1.5%, the bad merge 3.0%; dropping

@@ -30,6 +30,7 @@ import time
 import torch
 
 from . import comfy_host, models
+from .metrics import relative_l2
 
 
 def toma_variant(pack, model, ratio: float, window: int, reuse: int):
@@ -63,10 +64,6 @@ def run_once(model, job: dict, device: str):
                               disable_pbar=True)
     wall, cpu = ([b[i] - a[i] for a, b in zip([start] + stamps[:-1], stamps)] for i in (0, 1))
     return wall, cpu, first[0], out.float().cpu()
-
-
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 

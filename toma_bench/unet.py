@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from . import comfy_host, models
+from .metrics import psnr, relative_l2
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -267,17 +268,6 @@ class Row:
         return None if self.shares is None else sum(self.shares.values())
 
 
-def psnr(reference: torch.Tensor, x: torch.Tensor) -> float:
-    """PSNR in dB with the reference's value range as peak; inf when identical."""
-    mse = float(((reference.double() - x.double()) ** 2).mean())
-    peak = float(reference.max() - reference.min())
-    return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
-
-
-def rel_l2(reference: torch.Tensor, x: torch.Tensor) -> float:
-    return float((x - reference).norm() / reference.norm())
-
-
 def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, progress=print) -> list[Row]:
     """Pass 1 samples each variant once (fidelity, and the calls to replay; also the warm-up). Pass 2
     replays the recorded calls ``repeats`` times, call by call across the variants (step 0 of every
@@ -326,8 +316,8 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
                         1000 * statistics.median(cpu[i]) / job.steps,
                         statistics.median(u / v for u, v in zip(wall[0], wall[i])),
                         statistics.median(u / v for u, v in zip(cpu[0], cpu[i])),
-                        share, removed[i], rel_l2(recordings[0].first_eps, recordings[i].first_eps),
-                        psnr(finals[0], finals[i]), len(recordings[i].calls) / job.steps,
+                        share, removed[i], relative_l2(recordings[i].first_eps, recordings[0].first_eps),
+                        psnr(finals[i], finals[0]), len(recordings[i].calls) / job.steps,
                         max(c[0].shape[0] for c in recordings[i].calls)))
     return rows
 
