@@ -31,6 +31,7 @@ import torch
 
 from . import comfy_host, models
 from .metrics import relative_l2
+from .tables import format_cell, format_table
 
 
 def toma_variant(pack, model, ratio: float, window: int, reuse: int):
@@ -67,24 +68,14 @@ def run_once(model, job: dict, device: str):
 
 
 
-def format_cell(value, pattern: str) -> str:
-    """A table cell: ``value`` through ``pattern``, or "-" for a value not measured."""
-    return "-" if value is None else pattern.format(value)
-
-def format_table(rows: list[dict]) -> str:
+def variant_table(rows: list[dict]) -> str:
     head = ["variant", "step ms", "speed-up", "CPU-time speed-up", "image tokens", "select %", "merge %",
             "rel L2 x0", "rel L2 out"]
     base, base_cpu = rows[0]["step"], rows[0]["cpu"]
-    lines = [[r["name"], f"{1000 * r['step']:.1f}", f"{base / r['step']:.2f}x",
-              format_cell(r["cpu"] and base_cpu / r["cpu"], "{:.2f}x"), r["tokens"],
-              format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%"),
-              format_cell(r["x0"], "{:.4f}"), format_cell(r["out"], "{:.4f}")] for r in rows]
-    widths = [max(len(row[i]) for row in [head] + lines) for i in range(len(head))]
-
-    def fmt(row):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
+    return format_table(head, [[r["name"], f"{1000 * r['step']:.1f}", f"{base / r['step']:.2f}x",
+                                format_cell(r["cpu"] and base_cpu / r["cpu"], "{:.2f}x"), r["tokens"],
+                                format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%"),
+                                format_cell(r["x0"], "{:.4f}"), format_cell(r["out"], "{:.4f}")] for r in rows])
 
 
 def merged_tokens(summary: dict) -> str:
@@ -190,7 +181,7 @@ def main(argv=None) -> None:
     print(f"latent {H}x{W} ({-(-H // 2) * -(-W // 2)} image tokens), {args.tokens} text tokens, {args.steps} "
           f"euler steps at denoise 0.75, window {args.window}, reuse {args.reuse}; {args.repeats} interleaved "
           f"repeats, median of {len(steps['unpatched'])} steps per variant")
-    print(format_table(rows))
+    print(variant_table(rows))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from . import comfy_host, models
-from .flux import format_cell
+from .tables import format_cell
 
 DEFAULT_BUDGET_S = 420  # the kit must finish in 8 minutes on an H100/H200, installs and start-up included
 SEED = 0

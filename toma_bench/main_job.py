@@ -28,9 +28,11 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from statistics import median
 from typing import NamedTuple
 
 from . import comfy_host, models, server
+from .tables import format_table
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "main_job"
@@ -218,12 +220,6 @@ def timed_runs(client, graph: dict, seed: int, repeats: int) -> tuple[dict, dict
     return seconds, images
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def mean_abs_difference(a: bytes, b: bytes) -> float:
     """Mean |a - b| over pixels of two PNGs, 0..255."""
     import numpy as np
@@ -237,14 +233,12 @@ def table(seconds: dict, images: dict) -> str:
     """Per method, medians over repeats: KSampler wall time and its speed-up over unpatched, the whole
     prompt's wall time and server CPU time; and how far the first image is from the unpatched one."""
     sampling = {label: median([t.sampling for t in runs]) for label, runs in seconds.items()}
-    rows = [f"{'method':<10} {'sampling s':>11} {'speedup':>8} {'prompt s':>9} {'prompt CPU s':>13} "
-            f"{'mean |diff| vs unpatched':>26}"]
-    for label, runs in seconds.items():
-        diff = mean_abs_difference(images[label][0], images["unpatched"][0])
-        rows.append(f"{LABELS.get(label, label):<10} {sampling[label]:>11.2f} "
-                    f"{sampling['unpatched'] / sampling[label]:>7.2f}x {median([t.prompt for t in runs]):>9.2f} "
-                    f"{median([t.cpu for t in runs]):>13.2f} {diff:>20.2f} /255")
-    return "\n".join(rows)
+    head = ["method", "sampling s", "speedup", "prompt s", "prompt CPU s", "mean |diff| vs unpatched"]
+    rows = [[LABELS.get(label, label), f"{sampling[label]:.2f}", f"{sampling['unpatched'] / sampling[label]:.2f}x",
+             f"{median([t.prompt for t in runs]):.2f}", f"{median([t.cpu for t in runs]):.2f}",
+             f"{mean_abs_difference(images[label][0], images['unpatched'][0]):.2f} /255"]
+            for label, runs in seconds.items()]
+    return format_table(head, rows)
 
 
 def side_by_side(images: dict, seconds: dict, path: Path) -> None:

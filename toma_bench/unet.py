@@ -29,6 +29,7 @@ import torch
 
 from . import comfy_host, models
 from .metrics import psnr, relative_l2
+from .tables import format_cell, format_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -323,21 +324,16 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
 
 
 # -- output -------------------------------------------------------------------------------------------
-def format_table(rows: list[Row]) -> str:
+def variant_table(rows: list[Row]) -> str:
     head = ["arch", "variant", "ms/step", "cpu ms", "speedup", "cpu speedup", "merge cost", "sel/mrg/unm", "removed", "eps relL2", "PSNR dB"]
     lines = []
     for r in rows:
         shares = "-" if r.shares is None else "/".join(f"{100 * r.shares[k]:.1f}" for k in ("select", "merge", "unmerge"))
         lines.append([r.arch, r.variant.label, f"{r.step_ms:.0f}", f"{r.cpu_step_ms:.0f}", f"{r.speedup:.3f}x", f"{r.cpu_speedup:.3f}x",
-                      "-" if r.merge_share is None else f"{100 * r.merge_share:.1f}%", shares,
-                      "-" if r.merged_fraction is None else f"{100 * r.merged_fraction:.0f}%",
+                      format_cell(r.merge_share and 100 * r.merge_share, "{:.1f}%"), shares,
+                      format_cell(r.merged_fraction and 100 * r.merged_fraction, "{:.0f}%"),
                       f"{r.eps_rel_l2:.4f}", "inf" if math.isinf(r.psnr_db) else f"{r.psnr_db:.1f}"])
-    widths = [max(len(row[i]) for row in [head] + lines) for i in range(len(head))]
-
-    def fmt(row):
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in lines])
+    return format_table(head, lines, left=2)
 
 
 FAMILY_STYLE = {"ToMA attention": ("C0", "o"), "ToMA block": ("C1", "s"), "ToMeSD": ("C2", "^"),
@@ -447,7 +443,7 @@ def main(argv=None) -> None:
                   f"{len(variants)} variants, {repeats} timing passes", flush=True)
             start = time.perf_counter()
             arch_rows = measure(job, variants, base, repeats, sync, pack, progress=lambda s: print(s, flush=True))
-            print(f"  {arch} done in {time.perf_counter() - start:.0f} s\n\n{format_table(arch_rows)}\n", flush=True)
+            print(f"  {arch} done in {time.perf_counter() - start:.0f} s\n\n{variant_table(arch_rows)}\n", flush=True)
             rows += arch_rows
             del base
     odd = [r for r in rows if r.calls_per_step != 1 or r.batch != 2]
