@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from toma_bench import comfy_host
-from toma_bench import models
+from toma_bench import models, sampling
 from toma_bench.metrics import relative_l2
 
 
@@ -30,13 +30,9 @@ def built(pack):
 
 
 def sample(model, arch, hw, batch=1, tokens=77, steps=2, cfg=1.0, seed=0, reference=None, config=None):
-    import comfy.sample
-
-    positive, negative = models.dit_conditioning(arch, config or CONFIGS[arch], batch, tokens, seed, reference)
-    latent = torch.zeros(batch, 16, *hw)
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
-    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent,
-                               seed=seed, disable_pbar=True)
+    conditioning = models.dit_conditioning(arch, config or CONFIGS[arch], batch, tokens, seed, reference)
+    return sampling.sample(model, conditioning, torch.zeros(batch, 16, *hw), steps=steps, cfg=cfg,
+                           scheduler="simple", seed=seed)
 
 
 def toma_runtime(pack, model, ratio=0.5, window=4, reuse=5):

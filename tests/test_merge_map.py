@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from toma_bench import models
+from toma_bench import models, sampling
 
 LATENT = (24, 16)  # non-square: 24 rows, 16 columns of latent pixels
 STEPS = 3
@@ -43,13 +43,8 @@ def sent(monkeypatch):
 
 def sample(model, hw=LATENT, steps=STEPS, seed=0):
     """Sample ``model`` in-process; the LATENT dict a KSampler would output."""
-    import comfy.sample
-
-    positive, negative = models.conditioning("sd15", batch=1, tokens=8, seed=seed)
-    noise = torch.randn(1, 4, *hw, generator=torch.Generator().manual_seed(seed))
-    latent = comfy.sample.sample(model, noise, steps, 5.0, "euler", "normal", positive, negative,
-                                 torch.zeros(1, 4, *hw), seed=seed, disable_pbar=True)
-    return {"samples": latent}
+    conditioning = models.conditioning("sd15", batch=1, tokens=8, seed=seed)
+    return {"samples": sampling.sample(model, conditioning, torch.zeros(1, 4, *hw), steps=steps, cfg=5.0, seed=seed)}
 
 
 def column_classes(h, w, tile):

@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from toma_bench import comfy_host, models
+from toma_bench import comfy_host, models, sampling
 
 
 
@@ -16,18 +16,14 @@ LATENT = (26, 38)  # 832x1216 / 4: a 13x19 token grid with patch size 2
 
 
 def test_flux_merge_map_and_stats_show_both_block_groups(pack, monkeypatch):
-    import comfy.sample
-
     sent = []
     instance = types.SimpleNamespace(client_id=None, send_sync=lambda event, data, sid=None: sent.append(data))
     server = types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=instance))
     monkeypatch.setitem(sys.modules, "server", server)
     patched = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_flux(seed=1), 0.5, 4, 5, unique_id="9")[0]
-    positive, negative = models.dit_conditioning("flux", models.FLUX_TINY, 1, 16, 0, None)
-    noise = torch.randn(1, 16, *LATENT, generator=torch.Generator().manual_seed(0))
+    conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 16, 0, None)
 
-    samples = comfy.sample.sample(patched, noise, 2, 1.0, "euler", "simple", positive, negative,
-                                  torch.zeros(1, 16, *LATENT), seed=0, disable_pbar=True)
+    samples = sampling.sample(patched, conditioning, torch.zeros(1, 16, *LATENT), steps=2, scheduler="simple")
 
     mm = pack.nodes.merge_map
     runtime = pack.nodes.plan_records.runtime_of(patched)

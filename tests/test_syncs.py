@@ -10,8 +10,7 @@ its checkpoint steps only). On failure the message lists every site.
 import pytest
 import torch
 
-from toma_bench import comfy_host
-from toma_bench import models
+from toma_bench import comfy_host, models, sampling
 from toma_bench.syncs import SyncCounter
 
 pytestmark = pytest.mark.comfy
@@ -51,20 +50,17 @@ def check_bound(counter: SyncCounter, allowed_sites=()) -> None:
 
 @pytest.mark.parametrize("method", list(UNET_METHODS))
 def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, method, monkeypatch):
-    import comfy.sample
-
     node, inputs = UNET_METHODS[method]
     (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(models.build_unet("sd15", 0, config=UNET_TINY), **inputs)
     builds = []
     catome_plan = pack.nodes.runtime.catome_plan
     monkeypatch.setattr(pack.nodes.runtime, "catome_plan", lambda *a, **k: builds.append(1) or catome_plan(*a, **k))
-    positive, negative = models.conditioning("sd15", 1, height=128, width=128)
-    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    conditioning = models.conditioning("sd15", 1, height=128, width=128)
+    noise = sampling.seeded_noise((1, 4, 16, 16), 0)
 
     def run(m):
         builds.clear()
-        comfy.sample.sample(m, noise, STEPS, 2.0, "euler", "normal", positive, negative, torch.zeros(1, 4, 16, 16),
-                            seed=0, disable_pbar=True)
+        sampling.sample(m, conditioning, torch.zeros(1, 4, 16, 16), steps=STEPS, cfg=2.0, noise=noise)
 
     counter = watched_run(patched, run)
 
@@ -78,19 +74,16 @@ def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, me
 
 @pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
 def test_flux_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
-    import comfy.sample
-
     core, rt = pack.toma_core, pack.nodes.runtime
     model = models.build_flux(seed=0)
     method = rt.ToMAMethod(0.5, 4, core.ReuseSchedule(0.0, 1.0, 5, 1), core.DEFAULT_TAU, False)
     runtime = rt.MergeRuntime(method, model.get_model_object("model_sampling"), "ToMA")
     patched = pack.nodes.dit.patch_dit(model, runtime)
-    positive, negative = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
-    noise = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(0))
+    conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
+    noise = sampling.seeded_noise((1, 16, 32, 32), 0)
 
     def run(m):
-        comfy.sample.sample(m, noise, STEPS, 1.0, "euler", "simple", positive, negative, torch.zeros(1, 16, 32, 32),
-                            seed=0, disable_pbar=True)
+        sampling.sample(m, conditioning, torch.zeros(1, 16, 32, 32), steps=STEPS, scheduler="simple", noise=noise)
 
     counter = watched_run(patched, run)
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from . import comfy_host, models
+from . import comfy_host, models, sampling
 from .metrics import relative_l2
 from .tables import format_cell, format_table
 
@@ -47,8 +47,6 @@ def toma_variant(pack, model, ratio: float, window: int, reuse: int):
 def run_once(model, job: dict, device: str):
     """(wall seconds per step, process CPU seconds per step, first-step denoised output, sampled
     latent) of one sampling run."""
-    import comfy.sample
-
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     stamps, first = [], []
 
@@ -60,9 +58,8 @@ def run_once(model, job: dict, device: str):
 
     sync()
     start = (time.perf_counter(), time.process_time())
-    out = comfy.sample.sample(model, job["noise"], job["steps"], 1.0, "euler", "simple", job["positive"],
-                              job["negative"], job["latent"], denoise=0.75, seed=0, callback=callback,
-                              disable_pbar=True)
+    out = sampling.sample(model, job["conditioning"], job["latent"], steps=job["steps"], scheduler="simple",
+                          denoise=0.75, noise=job["noise"], callback=callback)
     wall, cpu = ([b[i] - a[i] for a, b in zip([start] + stamps[:-1], stamps)] for i in (0, 1))
     return wall, cpu, first[0], out.float().cpu()
 
@@ -134,10 +131,9 @@ def main(argv=None) -> None:
     model = models.build_flux(seed=0, dtype=dtype, config=config, device="cuda" if cuda else None)
     built = time.perf_counter() - built
     H, W = args.latent
-    positive, negative = models.dit_conditioning("flux", config, 1, args.tokens, seed=0)
-    job = {"steps": args.steps, "positive": positive, "negative": negative,
+    job = {"steps": args.steps, "conditioning": models.dit_conditioning("flux", config, 1, args.tokens, seed=0),
            "latent": models.structured_latent(1, H, W, seed=0, channels=16),
-           "noise": torch.randn(1, 16, H, W, generator=torch.Generator().manual_seed(0))}
+           "noise": sampling.seeded_noise((1, 16, H, W), 0)}
     variants = [("unpatched", model, None)]
     for ratio in args.ratios:
         patched, summaries = toma_variant(pack, model, ratio, args.window, args.reuse)

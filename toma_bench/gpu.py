@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from . import comfy_host, models
+from . import comfy_host, models, sampling
 from .tables import format_cell
 
 DEFAULT_BUDGET_S = 420  # the kit must finish in 8 minutes on an H100/H200, installs and start-up included
@@ -240,24 +240,20 @@ def build(name: str, scale: Scale, cuda: bool):
     device = "cuda" if cuda else None
     if name == "sdxl":
         model = models.build_unet("sdxl", SEED, scale.dtype, scale.config, draw_device=device)
-        positive, negative = models.conditioning("sdxl", 1, scale.text_tokens, SEED,
-                                                 8 * scale.latent[0], 8 * scale.latent[1])
+        conditioning = models.conditioning("sdxl", 1, scale.text_tokens, SEED, 8 * scale.latent[0], 8 * scale.latent[1])
         channels = 4
     else:
         model = models.build_flux(SEED, scale.dtype, scale.config, device=device, draw_device=device)
-        positive, negative = models.dit_conditioning("flux", scale.config, 1, scale.text_tokens, SEED)
+        conditioning = models.dit_conditioning("flux", scale.config, 1, scale.text_tokens, SEED)
         channels = 16
     latent = torch.zeros(1, channels, *scale.latent)
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(SEED))
-    return model, (positive, negative, latent, noise)
+    return model, (conditioning, latent, sampling.seeded_noise(latent.shape, SEED))
 
 
 def sample(model, scale: Scale, job) -> None:
-    import comfy.sample
-
-    positive, negative, latent, noise = job
-    comfy.sample.sample(model, noise, scale.steps, scale.cfg, "euler", "simple", positive, negative, latent,
-                        denoise=1.0, seed=SEED, disable_pbar=True)
+    conditioning, latent, noise = job
+    sampling.sample(model, conditioning, latent, steps=scale.steps, cfg=scale.cfg, scheduler="simple", seed=SEED,
+                    noise=noise)
 
 
 def runtime_summary(pack, model) -> dict | None:

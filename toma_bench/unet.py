@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from . import comfy_host, models
+from . import comfy_host, models, sampling
 from .metrics import psnr, relative_l2
 from .tables import format_cell, format_table
 
@@ -83,7 +83,7 @@ class Job:
 def make_job(arch: str, config_name: str, steps: int, device: str) -> Job:
     side = LATENT_SIDE[arch]
     latent = models.structured_latent(1, side, side, seed=SEED)
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(SEED + 1))
+    noise = sampling.seeded_noise(latent.shape, SEED + 1)
     positive, negative = models.conditioning(arch, 1, 77, SEED, height=side * 8, width=side * 8)
     return Job(arch, config_name, latent, noise, positive, negative, steps, device)
 
@@ -191,17 +191,13 @@ def recording_wrapper(holder: list):
 
 
 def sample(model, job: Job, holder: list) -> tuple[torch.Tensor, Recording]:
-    """Run ``job`` on ``model``: (final latent, recording). On the CPU, with one CFG batch (one_cfg_batch)."""
-    import comfy.sample
-
+    """Run ``job`` on ``model``: (final latent, recording). On the CPU, with one CFG batch (one_cfg_batch).
+    The global RNGs are seeded for the run (ComfyUI's TomePatchModel draws its destinations from them)."""
     holder[0] = Recording()
-    # ComfyUI's TomePatchModel draws its destinations from the global RNG: seed it, and restore it after.
-    cuda = job.device == "cuda"
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []), \
-            (contextlib.nullcontext() if cuda else one_cfg_batch()):
-        torch.manual_seed(SEED)
-        final = comfy.sample.sample(model, job.noise, job.steps, CFG, SAMPLER, SCHEDULER, job.positive,
-                                    job.negative, job.latent, denoise=DENOISE, seed=SEED, disable_pbar=True)
+    with contextlib.nullcontext() if job.device == "cuda" else one_cfg_batch():
+        final = sampling.sample(model, (job.positive, job.negative), job.latent, steps=job.steps, cfg=CFG,
+                                sampler=SAMPLER, scheduler=SCHEDULER, denoise=DENOISE, seed=SEED, noise=job.noise,
+                                global_rngs=True)
     rec, holder[0] = holder[0], None
     return final.float().cpu(), rec
 
