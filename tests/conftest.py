@@ -6,6 +6,7 @@ can import the harness ``toma_bench``. Nothing here imports ComfyUI: tests that 
 """
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,18 @@ def comfy() -> Path:
 def pack(comfy):
     """The pack imported as ``comfyui_toma`` (see comfy_host.load_pack)."""
     return comfy_host.load_pack()
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list:
+    """The messages (event, data, client id) sent through a stand-in for ComfyUI's running PromptServer
+    (found, as the pack finds it, as ``server.PromptServer.instance``; its client is "client-1")."""
+    messages = []
+    instance = types.SimpleNamespace(client_id="client-1",
+                                     send_sync=lambda event, data, sid=None: messages.append((event, data, sid)))
+    prompt_server = types.SimpleNamespace(instance=instance)
+    monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=prompt_server))
+    return messages
 
 
 def pytest_collection_modifyitems(items):

@@ -30,17 +30,6 @@ def unet(pack):
     return models.build_unet("sd15", seed=0, config=dict(models.SD15_SMALL, **TINY_UNET))
 
 
-@pytest.fixture
-def sent(monkeypatch):
-    """Messages sent through a stand-in for ComfyUI's running PromptServer."""
-    messages = []
-    instance = types.SimpleNamespace(client_id="client-1",
-                                     send_sync=lambda event, data, sid=None: messages.append((event, data, sid)))
-    server = types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=instance))
-    monkeypatch.setitem(sys.modules, "server", server)
-    return messages
-
-
 def sample(model, hw=LATENT, steps=STEPS, seed=0):
     """Sample ``model`` in-process; the LATENT dict a KSampler would output."""
     conditioning = models.conditioning("sd15", batch=1, tokens=8, seed=seed)
