@@ -22,7 +22,7 @@ from toma_core.plan import plan_tiles
 from .tables import format_cell, format_table
 
 SHAPES = [((2, 4096, 640), (64, 64)), ((2, 1024, 1280), (32, 32))]
-TILES = (4, 8, 16)
+WINDOWS = (4, 8, 16)  # the nodes' window_size: side of ToMA's square windows, in tokens
 RATIO = 0.5
 HEAD_DIM = 64
 
@@ -55,12 +55,13 @@ def bench_shape(shape, hw, device, dtype, repeats):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     gen = torch.Generator(device).manual_seed(0)
     fns, methods = {"attn": lambda: attention(x)}, []
-    for tile in TILES:
-        name = f"ToMA tile {tile}"
-        plan = plan_tiles(x, hw, tile, RATIO, generator=gen)
+    for window in WINDOWS:
+        name = f"ToMA window {window}"
+        plan = plan_tiles(x, hw, window, RATIO, generator=gen)
         merged = plan.merge(x)
-        fns[name, "select"] = lambda tile=tile: plan_tiles(x, hw, tile, RATIO, generator=gen)
-        fns[name, "weights"] = lambda tile=tile, d=plan.destinations: plan_tiles(x, hw, tile, RATIO, destinations=d)
+        fns[name, "select"] = lambda window=window: plan_tiles(x, hw, window, RATIO, generator=gen)
+        fns[name, "weights"] = lambda window=window, d=plan.destinations: plan_tiles(x, hw, window, RATIO,
+                                                                                     destinations=d)
         fns[name, "merge"] = lambda p=plan: p.merge(x)
         fns[name, "unmerge"] = lambda p=plan, m=merged: p.unmerge(m)
         methods.append((name, merged.shape[1]))

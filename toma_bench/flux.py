@@ -91,7 +91,8 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant (default 3)")
     ap.add_argument("--latent", default=None, help="latent HxW (default 128x128 on CUDA, 64x64 on CPU)")
     ap.add_argument("--tokens", type=int, default=None, help="text tokens (default 512 on CUDA, 256 on CPU)")
-    ap.add_argument("--window", type=int, default=4, help="ToMA window side in tokens (default 4)")
+    ap.add_argument("--window", type=int, default=4,
+                    help="side of ToMA's windows in tokens, the nodes' window_size (default 4)")
     ap.add_argument("--reuse", type=int, default=5, help="steps between destination recomputations (default 5)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
