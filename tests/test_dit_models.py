@@ -10,8 +10,7 @@ import logging
 import pytest
 import torch
 
-from toma_bench import comfy_host
-from toma_bench import models, sampling
+from toma_bench import comfy_host, models, sampling
 from toma_bench.metrics import relative_l2
 
 

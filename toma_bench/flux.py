@@ -64,7 +64,6 @@ def run_once(model, job: dict, device: str):
     return wall, cpu, first[0], out.float().cpu()
 
 
-
 def variant_table(rows: list[dict]) -> str:
     head = ["variant", "step ms", "speed-up", "CPU-time speed-up", "image tokens", "select %", "merge %",
             "rel L2 x0", "rel L2 out"]
