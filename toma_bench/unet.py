@@ -450,3 +450,6 @@ def main(argv=None) -> None:
         plot(rows, Path(args.plot), title)
         print(f"plot: {args.plot}")
 
+
+if __name__ == "__main__":
+    main()
