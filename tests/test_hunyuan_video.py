@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-import comfy_host
-from toma_bench import models
+from toma_bench import comfy_host, models
+from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy,
               pytest.mark.skipif(not comfy_host.has_current_comfy(),
@@ -62,10 +62,6 @@ def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=None
     return patched, pack.nodes.plan_records.runtime_of(patched)
 
 
-def relative_error(a, b):
-    return float((a - b).norm() / b.norm())
-
-
 def image_latent(size, seed=3):
     """A smooth first frame (1, 16, 1, H, W), the kind an image encodes to."""
     return models.structured_latent(1, *SIZES[size], seed=seed, channels=16)[:, :, None]
@@ -110,7 +106,7 @@ def test_half_ratio_merges_the_video_grid(pack, model, frames, size, batch, toke
     out = sample(patched, frames, size, batch, tokens)
     reference = sample(model, frames, size, batch, tokens)
     assert out.shape == reference.shape and torch.isfinite(out).all()
-    assert 0.0 < relative_error(out, reference) < 0.1
+    assert 0.0 < relative_l2(out, reference) < 0.1
     h, w = tokens_of(size)
     levels = runtime.summary()["levels"]
     assert sorted(levels) == [f"double {frames}x{h}x{w}", f"single {frames}x{h}x{w}"]
@@ -143,7 +139,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, va
     inputs = VARIANTS[variant]
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
     out = sample(patched, **inputs)
-    assert relative_error(out, sample(model, **inputs)) < 1e-5
+    assert relative_l2(out, sample(model, **inputs)) < 1e-5
     frames = 4 if "first_frame" in inputs else 5  # image-to-video v2: the first frame leads unmerged
     assert sorted(runtime.summary()["levels"]) == [f"double {frames}x7x11", f"single {frames}x7x11"]
 
@@ -155,7 +151,7 @@ def test_image_to_video_keeps_the_first_frame_unmerged(pack, model):
     patched, runtime = toma_patched(pack, model)
     out = sample(patched, first_frame=first, guiding_frame_index=0)
     reference = sample(model, first_frame=first, guiding_frame_index=0)
-    assert torch.isfinite(out).all() and 0.0 < relative_error(out, reference) < 0.1
+    assert torch.isfinite(out).all() and 0.0 < relative_l2(out, reference) < 0.1
     assert torch.allclose(out[:, :, 0], reference[:, :, 0])
     levels = runtime.summary()["levels"]
     assert {k: v["tokens"] for k, v in levels.items()} == {"double 4x7x11": 308, "single 4x7x11": 308}
@@ -184,7 +180,7 @@ def test_text_mask_columns_follow_the_merged_sequence(pack, model):
     mask[:, 47:] = 0
     exact, _ = toma_patched(pack, model, ratio=0.05, window=2)
     reference = sample(model, text_mask=mask)
-    assert relative_error(sample(exact, text_mask=mask), reference) < 1e-5
+    assert relative_l2(sample(exact, text_mask=mask), reference) < 1e-5
     assert not torch.equal(reference, sample(model))  # the mask matters
     half, _ = toma_patched(pack, model)
     assert torch.isfinite(sample(half, text_mask=mask)).all()
@@ -202,7 +198,7 @@ def test_lora_on_a_patched_clone_still_applies(pack, model):
     assert set(with_lora.add_patches({key: (diff,)})) == {key} == set(plain_lora.add_patches({key: (diff,)}))
     out = sample(with_lora)
     assert not torch.equal(out, sample(toma))
-    assert relative_error(out, sample(plain_lora)) < 1e-5
+    assert relative_l2(out, sample(plain_lora)) < 1e-5
 
 
 def _block_call(pack, model, frames, h, w, txt_len, lead_frames, batch=2):
@@ -308,7 +304,7 @@ def test_hunyuan_image_latents_merge_as_an_image(pack):
                                    seed=0, disable_pbar=True)
 
     patched, runtime = toma_patched(pack, image_model, ratio=0.05, window=2)
-    assert relative_error(run(patched), run(image_model)) < 1e-5
+    assert relative_l2(run(patched), run(image_model)) < 1e-5
     assert sorted(runtime.summary()["levels"]) == ["double 7x9", "single 7x9"]
 
 

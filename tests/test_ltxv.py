@@ -12,8 +12,8 @@ import logging
 import pytest
 import torch
 
-import comfy_host
-from toma_bench import models
+from toma_bench import comfy_host, models
+from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy,
               pytest.mark.skipif(not comfy_host.has_current_comfy(),
@@ -72,10 +72,6 @@ def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=None
     return patched, pack.nodes.plan_records.runtime_of(patched)
 
 
-def relative_error(a, b):
-    return float((a - b).norm() / b.norm())
-
-
 def image_latent(size, seed=3):
     """A smooth latent frame (1, C, 1, H, W), the kind an image encodes to."""
     return models.structured_latent(1, *SIZES[size], seed=seed, channels=CHANNELS)[:, :, None]
@@ -118,7 +114,7 @@ def test_half_ratio_merges_the_video_grid(pack, model, frames, size, batch, toke
     out = sample(patched, frames, size, batch, tokens)
     reference = sample(model, frames, size, batch, tokens)
     assert out.shape == reference.shape and torch.isfinite(out).all()
-    assert 0.0 < relative_error(out, reference) < 0.1
+    assert 0.0 < relative_l2(out, reference) < 0.1
     h, w = SIZES[size]
     levels = runtime.summary()["levels"]
     assert list(levels) == [f"video {frames}x{h}x{w}"]
@@ -147,7 +143,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, va
     inputs = VARIANTS[variant]
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
     out = sample(patched, batch=2, cfg=2.0, **inputs)
-    assert relative_error(out, sample(model, batch=2, cfg=2.0, **inputs)) < 1e-5
+    assert relative_l2(out, sample(model, batch=2, cfg=2.0, **inputs)) < 1e-5
     # the noise mask gives per-token timesteps: the first frame then leads unmerged
     frames = 5 if variant == "text-to-video" else 4
     assert list(runtime.summary()["levels"]) == [f"video {frames}x7x11"]
@@ -161,7 +157,7 @@ def test_conditioned_frames_stay_unmerged(pack, model, variant):
     patched, runtime = toma_patched(pack, model)
     out = sample(patched, **inputs)
     reference = sample(model, **inputs)
-    assert torch.isfinite(out).all() and 0.0 < relative_error(out, reference) < 0.1
+    assert torch.isfinite(out).all() and 0.0 < relative_l2(out, reference) < 0.1
     kept = 0 if variant == "image-to-video" else -1
     assert torch.allclose(out[:, :, kept], reference[:, :, kept])
     assert {k: v["tokens"] for k, v in runtime.summary()["levels"].items()} == {"video 4x7x11": 308}
@@ -179,7 +175,7 @@ def test_lora_on_a_patched_clone_still_applies(pack, model):
     assert set(with_lora.add_patches({key: (diff,)})) == {key} == set(plain_lora.add_patches({key: (diff,)}))
     out = sample(with_lora)
     assert not torch.equal(out, sample(toma))
-    assert relative_error(out, sample(plain_lora)) < 1e-5
+    assert relative_l2(out, sample(plain_lora)) < 1e-5
 
 
 @pytest.mark.parametrize("per_token", [False, True])

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-import server
+from toma_bench import server
 
 pytestmark = [pytest.mark.server, pytest.mark.comfy]
 

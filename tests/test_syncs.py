@@ -10,8 +10,7 @@ its checkpoint steps only). On failure the message lists every site.
 import pytest
 import torch
 
-import comfy_host
-from toma_bench import models
+from toma_bench import comfy_host, models, sampling
 from toma_bench.syncs import SyncCounter
 
 pytestmark = pytest.mark.comfy
@@ -51,20 +50,17 @@ def check_bound(counter: SyncCounter, allowed_sites=()) -> None:
 
 @pytest.mark.parametrize("method", list(UNET_METHODS))
 def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, method, monkeypatch):
-    import comfy.sample
-
     node, inputs = UNET_METHODS[method]
     (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(models.build_unet("sd15", 0, config=UNET_TINY), **inputs)
     builds = []
     build = pack.toma_core.CAToMe.build
     monkeypatch.setattr(pack.toma_core.CAToMe, "build", lambda *a, **k: builds.append(1) or build(*a, **k))
-    positive, negative = models.conditioning("sd15", 1, height=128, width=128)
-    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    conditioning = models.conditioning("sd15", 1, height=128, width=128)
+    noise = sampling.seeded_noise((1, 4, 16, 16), 0)
 
     def run(m):
         builds.clear()
-        comfy.sample.sample(m, noise, STEPS, 2.0, "euler", "normal", positive, negative, torch.zeros(1, 4, 16, 16),
-                            seed=0, disable_pbar=True)
+        sampling.sample(m, conditioning, torch.zeros(1, 4, 16, 16), steps=STEPS, cfg=2.0, noise=noise)
 
     counter = watched_run(patched, run)
 
@@ -78,16 +74,13 @@ def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, me
 
 @pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
 def test_flux_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
-    import comfy.sample
-
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_flux(seed=0), 0.5, 4, 5)
     runtime = pack.nodes.plan_records.runtime_of(patched)
-    positive, negative = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
-    noise = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(0))
+    conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
+    noise = sampling.seeded_noise((1, 16, 32, 32), 0)
 
     def run(m):
-        comfy.sample.sample(m, noise, STEPS, 1.0, "euler", "simple", positive, negative, torch.zeros(1, 16, 32, 32),
-                            seed=0, disable_pbar=True)
+        sampling.sample(m, conditioning, torch.zeros(1, 16, 32, 32), steps=STEPS, scheduler="simple", noise=noise)
 
     counter = watched_run(patched, run)
 

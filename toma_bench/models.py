@@ -2,8 +2,8 @@
 
 Weights follow PyTorch's default initialisation (kaiming-uniform linear/conv, unit norms), drawn from a
 seeded ``torch.Generator``: activations stay O(1), so merging errors show up instead of hiding under a
-tiny init. ComfyUI must already be importable with the CPU selected (see tests/comfy_host.py); this module
-imports comfy lazily.
+tiny init. ComfyUI must already be importable with the CPU selected (see comfy_host.import_comfy); this
+module imports comfy lazily.
 """
 import math
 
