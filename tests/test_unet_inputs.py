@@ -37,9 +37,9 @@ BAD_INPUTS = [
     ("ToMeSDPatchModel", {"ratio": 0.5, "seed": -1}, ["seed", "0", str(2**31 - 1)]),
     ("CAToMePatchModel", {"threshold": 1.5}, ["threshold", "-1.0", "1.0"]),
     ("CAToMePatchModel", {"threshold": -1.01}, ["threshold", "-1.0", "1.0"]),
-    ("CAToMePatchModel", {"threshold": 0.7, "checkpoints": "0,50"}, ["checkpoints", "0", "49"]),
-    ("CAToMePatchModel", {"threshold": 0.7, "checkpoints": "zero"}, ["checkpoints", "0", "49"]),
-    ("CAToMePatchModel", {"threshold": 0.7, "checkpoints": ""}, ["checkpoints", "0", "49"]),
+    ("CAToMePatchModel", {"threshold": 0.7, "checkpoints": "0,51"}, ["checkpoints", "0", "50"]),
+    ("CAToMePatchModel", {"threshold": 0.7, "checkpoints": "zero"}, ["checkpoints", "0", "50"]),
+    ("CAToMePatchModel", {"threshold": 0.7, "checkpoints": ""}, ["checkpoints", "0", "50"]),
     ("CAToMePatchModel", {"threshold": 0.7, "max_downsample": 16}, ["max_downsample", "1", "8"]),
     ("CAToMePatchModel", {"threshold": 0.7, "seed": 2**31}, ["seed", "0", str(2**31 - 1)]),
 ]
