@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .plan_records import PlanRecord, runtimes_of
+from .plan_records import PlanRecord
+from .runtime import runtimes_of
 from .toma_nodes import CATEGORY, check_inputs
 
 PIXELS_PER_LATENT = 8  # the map has the size of the decoded image of the latent

@@ -37,7 +37,7 @@ def sample(model, arch, hw, batch=1, tokens=77, steps=2, cfg=1.0, seed=0, refere
 def toma_patched(pack, model, ratio=0.5, window=4, reuse=5):
     """(model patched by the ToMA node, its runtime)."""
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
-    return patched, pack.nodes.plan_records.runtime_of(patched)
+    return patched, pack.nodes.runtime.runtime_of(patched)
 
 
 def dit_patches(model) -> dict:

@@ -69,7 +69,7 @@ def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=None
         (patched,) = nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
     else:
         (patched,) = nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse, temporal_window=temporal_window)
-    return patched, pack.nodes.plan_records.runtime_of(patched)
+    return patched, pack.nodes.runtime.runtime_of(patched)
 
 
 def image_latent(size, seed=3):

@@ -182,7 +182,7 @@ def test_merge_map_node_shows_recorded_plans_of_non_square_run(pack, mm, unet, s
 
     latent = sample(patched.clone())  # samplers may clone the MODEL they get
 
-    runtime = pack.nodes.plan_records.runtime_of(patched)
+    runtime = pack.nodes.runtime.runtime_of(patched)
     assert mm.level_names(runtime) == ["24x16 (1/1)", "12x8 (1/2)"]
     assert [r.step for r in runtime.records["24x16 (1/1)"]] == [0, 2]  # rebuilt only at reuse steps
     node = mm.ToMAMergeMap()
@@ -211,7 +211,7 @@ def test_each_run_reports_once_and_starts_clean(pack, mm, unet, sent):
     latent = sample(patched, hw=(8, 16), steps=2, seed=1)
 
     assert [data["lines"][0].split(":")[0] for _, data, _ in sent] == ["16x16 (1/1)", "8x16 (1/1)"]
-    runtime = pack.nodes.plan_records.runtime_of(patched)
+    runtime = pack.nodes.runtime.runtime_of(patched)
     assert list(runtime.records) == ["8x16 (1/1)"], "records of the previous run leaked"
     assert mm.ToMAMergeMap().draw(patched, latent, 0, -1)[0].shape == (1, 64, 128, 3)
     runtime.end_run()  # a second end signal without a model call in between (SamplerCustom's x0 output)
@@ -225,7 +225,7 @@ def test_merge_map_supports_tomesd(pack, mm, unet):
     latent = sample(patched, steps=2)
 
     image, = mm.ToMAMergeMap().draw(patched, latent, 0, 1)
-    record = pack.nodes.plan_records.runtime_of(patched).records["24x16 (1/1)"][-1]
+    record = pack.nodes.runtime.runtime_of(patched).records["24x16 (1/1)"][-1]
     assert record.step == 1 and record.cell == (2, 2)
     assert torch.equal(image[0], mm.render_record(record, 192, 128))
 

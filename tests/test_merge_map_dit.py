@@ -19,7 +19,7 @@ def test_flux_merge_map_and_stats_show_both_block_groups(pack, sent):
     samples = sampling.sample(patched, conditioning, torch.zeros(1, 16, *LATENT), steps=2, scheduler="simple")
 
     mm = pack.nodes.merge_map
-    runtime = pack.nodes.plan_records.runtime_of(patched)
+    runtime = pack.nodes.runtime.runtime_of(patched)
     assert mm.level_names(runtime) == ["double 13x19", "single 13x19"]
     for level, name in enumerate(mm.level_names(runtime)):
         image, = mm.ToMAMergeMap().draw(patched, {"samples": samples}, level, -1)

@@ -63,7 +63,7 @@ def sample(model, *, steps=2, **options):
 
 
 def runtime_of(pack, model):
-    return pack.nodes.plan_records.runtime_of(model)
+    return pack.nodes.runtime.runtime_of(model)
 
 
 def merged_levels(pack, model) -> dict[str, dict]:

@@ -64,7 +64,7 @@ def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, me
 
     counter = watched_run(patched, run)
 
-    summary = pack.nodes.plan_records.runtime_of(patched).summary()
+    summary = pack.nodes.runtime.runtime_of(patched).summary()
     assert summary["levels"], f"{method} merged nothing: the count would prove nothing"
     catome_site = "toma_core/baselines.py"
     check_bound(counter, allowed_sites=(catome_site,) if method == "CA-ToMe" else ())
@@ -75,7 +75,7 @@ def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, me
 @pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
 def test_flux_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_flux(seed=0), 0.5, 4, 5)
-    runtime = pack.nodes.plan_records.runtime_of(patched)
+    runtime = pack.nodes.runtime.runtime_of(patched)
     conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
     noise = sampling.seeded_noise((1, 16, 32, 32), 0)
 
@@ -105,7 +105,7 @@ def test_video_dit_sampling_waits_for_the_device_at_most_once_per_model_call(pac
 
     build, arch, config, channels, extra = VIDEO_CALLS[family]
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(build(seed=0), 0.5, 4, 5)
-    runtime = pack.nodes.plan_records.runtime_of(patched)
+    runtime = pack.nodes.runtime.runtime_of(patched)
     positive, negative = models.video_conditioning(arch, config, 1, 32, seed=0, **extra)
     shape = (1, channels, 5, 8, 12)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(0))

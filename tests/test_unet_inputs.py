@@ -93,7 +93,7 @@ def test_unet_without_middle_block(pack):
     out = sampling.sample(patched, conditioning, torch.zeros(1, 4, 16, 16), steps=1)
 
     assert torch.isfinite(out).all()
-    assert pack.nodes.plan_records.runtime_of(patched).summary()["levels"]["16x16 (1/1)"]["merged_tokens"] == 128
+    assert pack.nodes.runtime.runtime_of(patched).summary()["levels"]["16x16 (1/1)"]["merged_tokens"] == 128
 
 
 def unpatched(model):

@@ -42,14 +42,14 @@ def patch(pack, node, model, **inputs):
 def merged_levels(pack, patched) -> dict[int, dict]:
     """{downsample factor: {"tokens", "merged_tokens", "steps", "downsample"}} of the levels the last run
     merged, from the runtime's summary."""
-    summary = pack.nodes.plan_records.runtime_of(patched).summary()
+    summary = pack.nodes.runtime.runtime_of(patched).summary()
     return {stats["downsample"]: stats for stats in summary["levels"].values()}
 
 
 def plan_layouts(pack, patched) -> set[tuple[int, tuple]]:
     """{(rows, cond_or_uncond)} of the batches the last run's plans were built for (the UNet adapter's
     plan keys end with the batch layout: plans are never shared between cond and uncond rows)."""
-    return {key[-1] for key in pack.nodes.plan_records.runtime_of(patched).plans}
+    return {key[-1] for key in pack.nodes.runtime.runtime_of(patched).plans}
 
 
 def grid(h, w, ds):

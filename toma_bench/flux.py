@@ -38,7 +38,7 @@ def toma_variant(pack, model, ratio: float, window: int, reuse: int):
     """(patched clone, list that receives each run's summary)."""
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
     summaries = []
-    pack.nodes.plan_records.runtime_of(patched).run_listeners.append(summaries.append)
+    pack.nodes.runtime.runtime_of(patched).run_listeners.append(summaries.append)
     return patched, summaries
 
 

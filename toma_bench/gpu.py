@@ -258,7 +258,7 @@ def sample(model, scale: Scale, job) -> None:
 
 def runtime_summary(pack, model) -> dict | None:
     try:
-        return pack.nodes.plan_records.runtime_of(model).summary()
+        return pack.nodes.runtime.runtime_of(model).summary()
     except ValueError:  # unpatched
         return None
 

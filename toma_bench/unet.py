@@ -238,7 +238,7 @@ def find_runtime(pack):
     """model -> its MergeRuntime (through the id the pack's nodes write into transformer_options), or None."""
     def runtime_of(model):
         try:
-            return pack.nodes.plan_records.runtime_of(model)
+            return pack.nodes.runtime.runtime_of(model)
         except ValueError:
             return None
 
