@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .plan_records import PlanRecord, runtimes_of
+from .plan_records import PlanRecord
+from .runtime import runtimes_of
 from .toma_nodes import CATEGORY, check_inputs
 
 PIXELS_PER_LATENT = 8  # the map has the size of the decoded image of the latent
@@ -54,7 +55,8 @@ def window_borders(index: torch.Tensor, window: int) -> torch.Tensor:
 def render_record(record: PlanRecord, height: int, width: int, image: torch.Tensor | None = None,
                   opacity: float = 1.0) -> torch.Tensor:
     """(height, width, 3) float in [0, 1]: the merge groups of ``record`` stretched over the picture;
-    groups of one token are grey.
+    groups of one token are grey. A video's record shows its first latent frame (its tokens lead the
+    raster; a group kept in a later frame still has its colour).
 
     image: optional (H', W', 3) picture shown under the groups (resized), the groups at ``opacity``.
     """
@@ -65,7 +67,7 @@ def render_record(record: PlanRecord, height: int, width: int, image: torch.Tens
     picture = group_colours(groups[token])
     alone = torch.bincount(groups, minlength=groups.numel()) == 1  # kept tokens nothing was merged into
     picture[alone[groups[token]]] = SINGLE_GREY
-    kept = torch.zeros(record.h * record.w, dtype=torch.bool)
+    kept = torch.zeros(groups.numel(), dtype=torch.bool)
     kept[record.kept.long()] = True
     dot = kept[token] & row_centre[:, None] & col_centre[None, :]
     picture[dot] *= 0.3
@@ -104,7 +106,7 @@ def level_names(runtime) -> list[str]:
     in the order they first merged."""
     def tokens(name):
         first = runtime.records[name][0]
-        return first.h * first.w
+        return first.frames * first.h * first.w
     return sorted((n for n, r in runtime.records.items() if r), key=tokens, reverse=True)
 
 
@@ -163,7 +165,8 @@ class ToMAMergeMap:
     DESCRIPTION = ("Shows which tokens ToMA (or ToMeSD / CA-ToMe) merged in the last sampling run of the "
                    "connected model: each merge group (a kept token and the tokens merged into it) has its "
                    "own colour (grey: nothing was merged into the token), kept tokens carry a dark dot, "
-                   "window borders are black. Reads the plans recorded while sampling; nothing is recomputed.")
+                   "window borders are black; for a video, its first latent frame. Reads the plans recorded "
+                   "while sampling; nothing is recomputed.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("IMAGE",)
     OUTPUT_TOOLTIPS = ("The merge map at the decoded image's size (latent x8), optionally over the image.",)

@@ -1,4 +1,5 @@
-"""Per-patched-model state while sampling: which step we are at, which plans are cached, what it cost.
+"""Per-patched-model state while sampling: which step we are at, which plans are cached, what it cost;
+and how a MODEL leads to its runtime.
 
 The runtime is the only owner of run boundaries and of the plan cache; the strategy
 (``toma_core.strategies``) builds plans, and its schedule says when.
@@ -16,6 +17,8 @@ once per run.
 import logging
 import math
 import time
+import uuid
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -239,3 +242,50 @@ class MergeRuntime:
             "clock": self.stage_clock.kind,
             "wall_seconds": wall,
         }
+
+
+# -- MODEL -> runtime ---------------------------------------------------------------------------
+# ``model_options`` is deep-copied whenever ComfyUI clones a patcher (docs/architecture.md, "patches are
+# deep-copied"), so the MODEL carries only a string: ``model_options["transformer_options"]["comfyui_toma"]``
+# is a registry id, and ``RUNTIMES`` maps ids to live runtimes. The registry holds them weakly: a runtime
+# lives exactly as long as the patches of some model refer to it, and a string survives any number of
+# clones (every clone of a patched model shares its runtime, see ``MergeRuntime.__deepcopy__``).
+OPTIONS_KEY = "comfyui_toma"
+RUNTIMES: "weakref.WeakValueDictionary[str, MergeRuntime]" = weakref.WeakValueDictionary()
+STACK_KEY = "comfyui_toma_stack"  # ids of every token merge node's runtime on this MODEL, in patch order
+
+
+def attach_runtime(model, runtime) -> str:
+    """Register ``runtime`` and write its id into the patched ``model``'s transformer_options."""
+    runtime_id = f"{runtime.name}-{uuid.uuid4().hex}"
+    RUNTIMES[runtime_id] = runtime
+    options = model.model_options.setdefault("transformer_options", {})
+    options[OPTIONS_KEY] = runtime_id
+    options[STACK_KEY] = list(options.get(STACK_KEY, ())) + [runtime_id]
+    return runtime_id
+
+
+NOT_PATCHED = ("model: this MODEL was not patched by a ToMA, ToMeSD or CA-ToMe node of this pack (or it was "
+               "patched with ratio 0, or the model family is not supported), so there are no merge plans to "
+               "show; connect the MODEL output of the token merge node")
+
+
+def runtime_of(model):
+    """The runtime of the token merge node nearest the sampler on ``model`` (or on a model it was cloned
+    from)."""
+    options = getattr(model, "model_options", None) or {}
+    runtime_id = options.get("transformer_options", {}).get(OPTIONS_KEY)
+    runtime = RUNTIMES.get(runtime_id) if runtime_id is not None else None
+    if runtime is None:
+        raise ValueError(NOT_PATCHED)
+    return runtime
+
+
+def runtimes_of(model) -> list:
+    """The runtimes of every token merge node on ``model``, the one nearest the sampler first."""
+    options = (getattr(model, "model_options", None) or {}).get("transformer_options", {})
+    runtimes = [RUNTIMES.get(i) for i in reversed(options.get(STACK_KEY, ()))]
+    runtimes = [r for r in runtimes if r is not None]
+    if not runtimes:
+        raise ValueError(NOT_PATCHED)
+    return runtimes

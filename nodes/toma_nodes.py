@@ -10,8 +10,7 @@ import logging
 from ..toma_core import CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, ReuseSchedule, ToMA, ToMeSD
 from .adapters import adapter_for, supported_families, unet
 from .live_stats import stats_sender
-from .plan_records import attach_runtime
-from .runtime import MergeRuntime
+from .runtime import MergeRuntime, attach_runtime
 
 log = logging.getLogger("ComfyUI-ToMA")
 

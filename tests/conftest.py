@@ -1,10 +1,12 @@
 """Shared pytest setup.
 
-The repo root goes on sys.path so engine tests can ``import toma_core`` without ComfyUI. Nothing
-here imports ComfyUI: tests that need it ask for the ``comfy`` fixture (or call comfy_host directly).
+The repo root goes on sys.path so engine tests can ``import toma_core`` without ComfyUI, and every test
+can import the harness ``toma_bench``. Nothing here imports ComfyUI: tests that need it ask for the
+``comfy`` fixture (or call comfy_host directly).
 """
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-TESTS = str(Path(__file__).resolve().parent)
-if TESTS not in sys.path:  # `import comfy_host` from any test, whatever pytest's import mode
-    sys.path.insert(0, TESTS)
 
-import comfy_host  # after the sys.path lines above; imports nothing from ComfyUI
+from toma_bench import comfy_host  # after the sys.path lines above; imports nothing from ComfyUI
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +30,18 @@ def pack(comfy):
     return comfy_host.load_pack()
 
 
+@pytest.fixture
+def sent(monkeypatch) -> list:
+    """The messages (event, data, client id) sent through a stand-in for ComfyUI's running PromptServer
+    (found, as the pack finds it, as ``server.PromptServer.instance``; its client is "client-1")."""
+    messages = []
+    instance = types.SimpleNamespace(client_id="client-1",
+                                     send_sync=lambda event, data, sid=None: messages.append((event, data, sid)))
+    prompt_server = types.SimpleNamespace(instance=instance)
+    monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=prompt_server))
+    return messages
+
+
 def pytest_collection_modifyitems(items):
     # Tests that use the ComfyUI fixtures carry the `comfy` marker even if their author forgot it,
     # so `-m "not comfy"` really skips everything that imports ComfyUI.
@@ -40,4 +51,4 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_report_header(config):
-    return f"ComfyUI tree: {os.environ.get('COMFYUI_PATH') or REPO / '.comfyui'} (COMFYUI_PATH overrides)"
+    return f"ComfyUI tree: {os.environ.get('COMFYUI_PATH') or comfy_host.PINNED_TREE} (COMFYUI_PATH overrides)"

@@ -66,9 +66,9 @@ fi
 
 # Both trees must import in this venv (each in its own process: one ComfyUI per process).
 for tree in "$root/.comfyui" "$dest"; do
-  if ! COMFYUI_PATH="$tree" "$py" -c 'import sys; sys.path.insert(0, sys.argv[1]); import comfy_host
+  if ! COMFYUI_PATH="$tree" "$py" -c 'import sys; sys.path.insert(0, sys.argv[1]); from toma_bench import comfy_host
 comfy_host.import_comfy(); import nodes; assert "TomePatchModel" in nodes.NODE_CLASS_MAPPINGS' \
-      "$root/tests" > "$venv/.import-check.log" 2>&1; then
+      "$root" > "$venv/.import-check.log" 2>&1; then
     tail -n 30 "$venv/.import-check.log" >&2
     echo "[setup-current] ComfyUI at $tree does not import in $venv (log: $venv/.import-check.log)" >&2
     exit 1

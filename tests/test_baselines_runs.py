@@ -5,7 +5,7 @@ tomesd advances one generator), and CA-ToMe computes matches at the steps its re
 import pytest
 import torch
 
-from toma_bench import models
+from toma_bench import models, sampling
 
 pytestmark = pytest.mark.comfy
 
@@ -13,12 +13,8 @@ UNET_TINY = dict(models.SD15_SMALL, model_channels=32, num_heads=2)
 
 
 def sample(model, steps, callback=None):
-    import comfy.sample
-
-    positive, negative = models.conditioning("sd15", 1, height=128, width=128)
-    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
-    return comfy.sample.sample(model, noise, steps, 1.0, "euler", "normal", positive, negative,
-                               torch.zeros(1, 4, 16, 16), seed=0, disable_pbar=True, callback=callback)
+    return sampling.sample(model, models.conditioning("sd15", 1, height=128, width=128), torch.zeros(1, 4, 16, 16),
+                           steps=steps, callback=callback)
 
 
 def recording_builds(monkeypatch, strategy_class, record):

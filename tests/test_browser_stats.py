@@ -8,7 +8,6 @@ serves its installed comfyui-frontend-package (1.27.10 pinned by ComfyUI of Octo
 when it cannot be installed). Screenshots are saved under test-artifacts/. Skipped only when Chromium
 is not installed (CI installs it).
 """
-import importlib
 import json
 import re
 import subprocess
@@ -17,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-import comfy_host
-from server import comfy_server
+from toma_bench import comfy_host, models
+from toma_bench.server import comfy_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -134,7 +133,6 @@ MISSING_MODELS_OFFERED = f"""
 @pytest.fixture(scope="module")
 def checkpoints(pack, tmp_path_factory):
     """A folder with a random-weight SD1.5-shaped checkpoint (UNet only) named as WORKFLOW expects."""
-    models = importlib.import_module(f"{pack.__name__}.toma_bench.models")
     folder = tmp_path_factory.mktemp("checkpoints")
     models.save_sd15_checkpoint(folder / CHECKPOINT, seed=0, config=dict(models.SD15_SMALL, **TINY_SD15))
     return folder

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-import comfy_host
+from toma_bench import comfy_host
 
 pytestmark = pytest.mark.comfy
 

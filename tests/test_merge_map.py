@@ -3,12 +3,13 @@
 The records and the picture are checked on small plans whose groups are known by construction; the node
 and the run hooks on a tiny random UNet sampled in-process (pinned tree, or COMFYUI_PATH).
 """
-import importlib
 import sys
 import types
 
 import pytest
 import torch
+
+from toma_bench import models, sampling
 
 LATENT = (24, 16)  # non-square: 24 rows, 16 columns of latent pixels
 STEPS = 3
@@ -25,31 +26,14 @@ def mm(pack):
 
 @pytest.fixture(scope="module")
 def unet(pack):
-    """(tiny random SD1.5-layout ModelPatcher, the pack's toma_bench.models)."""
-    models = importlib.import_module(f"{pack.__name__}.toma_bench.models")
-    return models.build_unet("sd15", seed=0, config=dict(models.SD15_SMALL, **TINY_UNET)), models
+    """A tiny random SD1.5-layout ModelPatcher."""
+    return models.build_unet("sd15", seed=0, config=dict(models.SD15_SMALL, **TINY_UNET))
 
 
-@pytest.fixture
-def sent(monkeypatch):
-    """Messages sent through a stand-in for ComfyUI's running PromptServer."""
-    messages = []
-    instance = types.SimpleNamespace(client_id="client-1",
-                                     send_sync=lambda event, data, sid=None: messages.append((event, data, sid)))
-    server = types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=instance))
-    monkeypatch.setitem(sys.modules, "server", server)
-    return messages
-
-
-def sample(model, models, hw=LATENT, steps=STEPS, seed=0):
+def sample(model, hw=LATENT, steps=STEPS, seed=0):
     """Sample ``model`` in-process; the LATENT dict a KSampler would output."""
-    import comfy.sample
-
-    positive, negative = models.conditioning("sd15", batch=1, tokens=8, seed=seed)
-    noise = torch.randn(1, 4, *hw, generator=torch.Generator().manual_seed(seed))
-    latent = comfy.sample.sample(model, noise, steps, 5.0, "euler", "normal", positive, negative,
-                                 torch.zeros(1, 4, *hw), seed=seed, disable_pbar=True)
-    return {"samples": latent}
+    conditioning = models.conditioning("sd15", batch=1, tokens=8, seed=seed)
+    return {"samples": sampling.sample(model, conditioning, torch.zeros(1, 4, *hw), steps=steps, cfg=5.0, seed=seed)}
 
 
 def column_classes(h, w, tile):
@@ -192,13 +176,13 @@ def test_map_over_image_blends_and_resizes(pack, mm):
 
 # -- the node on a sampled model --------------------------------------------------------------------
 def test_merge_map_node_shows_recorded_plans_of_non_square_run(pack, mm, unet, sent):
-    base, models = unet
+    base = unet
     patched = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(
         base, 0.5, 4, 2, levels="all", weights_interval=2, unique_id="12")[0]
 
-    latent = sample(patched.clone(), models)  # samplers may clone the MODEL they get
+    latent = sample(patched.clone())  # samplers may clone the MODEL they get
 
-    runtime = pack.nodes.plan_records.runtime_of(patched)
+    runtime = pack.nodes.runtime.runtime_of(patched)
     assert mm.level_names(runtime) == ["24x16 (1/1)", "12x8 (1/2)"]
     assert [r.step for r in runtime.records["24x16 (1/1)"]] == [0, 2]  # rebuilt only at reuse steps
     node = mm.ToMAMergeMap()
@@ -220,14 +204,14 @@ def test_merge_map_node_shows_recorded_plans_of_non_square_run(pack, mm, unet, s
 
 
 def test_each_run_reports_once_and_starts_clean(pack, mm, unet, sent):
-    base, models = unet
+    base = unet
     patched = pack.nodes.toma_nodes.ToMAPatchModel().patch(base, 0.5, 4, 5, unique_id="3")[0]
 
-    sample(patched, models, hw=(16, 16), steps=2)
-    latent = sample(patched, models, hw=(8, 16), steps=2, seed=1)
+    sample(patched, hw=(16, 16), steps=2)
+    latent = sample(patched, hw=(8, 16), steps=2, seed=1)
 
     assert [data["lines"][0].split(":")[0] for _, data, _ in sent] == ["16x16 (1/1)", "8x16 (1/1)"]
-    runtime = pack.nodes.plan_records.runtime_of(patched)
+    runtime = pack.nodes.runtime.runtime_of(patched)
     assert list(runtime.records) == ["8x16 (1/1)"], "records of the previous run leaked"
     assert mm.ToMAMergeMap().draw(patched, latent, 0, -1)[0].shape == (1, 64, 128, 3)
     runtime.end_run()  # a second end signal without a model call in between (SamplerCustom's x0 output)
@@ -235,19 +219,19 @@ def test_each_run_reports_once_and_starts_clean(pack, mm, unet, sent):
 
 
 def test_merge_map_supports_tomesd(pack, mm, unet):
-    base, models = unet
+    base = unet
     patched = pack.nodes.toma_nodes.ToMeSDPatchModel().patch(base, 0.5, 1, 2, 2, 0)[0]
 
-    latent = sample(patched, models, steps=2)
+    latent = sample(patched, steps=2)
 
     image, = mm.ToMAMergeMap().draw(patched, latent, 0, 1)
-    record = pack.nodes.plan_records.runtime_of(patched).records["24x16 (1/1)"][-1]
+    record = pack.nodes.runtime.runtime_of(patched).records["24x16 (1/1)"][-1]
     assert record.step == 1 and record.cell == (2, 2)
     assert torch.equal(image[0], mm.render_record(record, 192, 128))
 
 
 def test_merge_map_errors_name_the_problem(pack, mm, unet):
-    base, models = unet
+    base = unet
     node = mm.ToMAMergeMap()
     latent = {"samples": torch.zeros(1, 4, *LATENT)}
 
@@ -260,7 +244,7 @@ def test_merge_map_errors_name_the_problem(pack, mm, unet):
     with pytest.raises(ValueError, match="run a sampler with this MODEL first"):
         node.draw(patched, latent, 0, -1)
 
-    sample(patched, models, steps=2)
+    sample(patched, steps=2)
 
     with pytest.raises(ValueError, match=r"level must be between 0 and 0 .*0 = 24x16 \(1/1\)"):
         node.draw(patched, latent, 1, -1)

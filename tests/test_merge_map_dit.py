@@ -1,12 +1,8 @@
 """ToMA Merge Map and live stats on a DiT: Flux's double and single block groups share one token grid."""
-import importlib
-import sys
-import types
-
 import pytest
 import torch
 
-import comfy_host
+from toma_bench import comfy_host, models, sampling
 
 
 
@@ -16,27 +12,18 @@ pytestmark = [pytest.mark.comfy,
 LATENT = (26, 38)  # 832x1216 / 4: a 13x19 token grid with patch size 2
 
 
-def test_flux_merge_map_and_stats_show_both_block_groups(pack, monkeypatch):
-    import comfy.sample
-
-    models = importlib.import_module(f"{pack.__name__}.toma_bench.models")
-    sent = []
-    instance = types.SimpleNamespace(client_id=None, send_sync=lambda event, data, sid=None: sent.append(data))
-    server = types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=instance))
-    monkeypatch.setitem(sys.modules, "server", server)
+def test_flux_merge_map_and_stats_show_both_block_groups(pack, sent):
     patched = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_flux(seed=1), 0.5, 4, 5, unique_id="9")[0]
-    positive, negative = models.dit_conditioning("flux", models.FLUX_TINY, 1, 16, 0, None)
-    noise = torch.randn(1, 16, *LATENT, generator=torch.Generator().manual_seed(0))
+    conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 16, 0, None)
 
-    samples = comfy.sample.sample(patched, noise, 2, 1.0, "euler", "simple", positive, negative,
-                                  torch.zeros(1, 16, *LATENT), seed=0, disable_pbar=True)
+    samples = sampling.sample(patched, conditioning, torch.zeros(1, 16, *LATENT), steps=2, scheduler="simple")
 
     mm = pack.nodes.merge_map
-    runtime = pack.nodes.plan_records.runtime_of(patched)
+    runtime = pack.nodes.runtime.runtime_of(patched)
     assert mm.level_names(runtime) == ["double 13x19", "single 13x19"]
     for level, name in enumerate(mm.level_names(runtime)):
         image, = mm.ToMAMergeMap().draw(patched, {"samples": samples}, level, -1)
         assert image.shape == (1, 8 * LATENT[0], 8 * LATENT[1], 3)
         assert torch.equal(image[0], mm.render_record(runtime.records[name][-1], 8 * LATENT[0], 8 * LATENT[1]))
-    assert len(sent) == 1 and sent[0]["node"] == "9"
-    assert [line.split(":")[0] for line in sent[0]["lines"][:2]] == ["double 13x19", "single 13x19"]
+    assert len(sent) == 1 and sent[0][1]["node"] == "9"
+    assert [line.split(":")[0] for line in sent[0][1]["lines"][:2]] == ["double 13x19", "single 13x19"]

@@ -2,7 +2,7 @@
 
 The model is a real-architecture SD1.5 checkpoint with seeded random weights, written at test time
 (SD1.5 widths so CheckpointLoaderSimple detects it, two UNet levels, a tiny TAESD as its VAE, no CLIP:
-text conditioning comes from the test-only ToMATestConditioning node, tests/testing_nodes).
+text conditioning comes from the test-only ToMATestConditioning node, toma_bench/testing_nodes).
 """
 import io
 import json
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import server
+from toma_bench import server
 
 pytestmark = [pytest.mark.server, pytest.mark.comfy]
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import server
+from toma_bench import server
 from toma_bench import main_job
 
 TINY_SD15 = {"channel_mult": [1, 2], "num_res_blocks": [1, 1], "transformer_depth": [1, 1],

@@ -10,8 +10,7 @@ its checkpoint steps only). On failure the message lists every site.
 import pytest
 import torch
 
-import comfy_host
-from toma_bench import models
+from toma_bench import comfy_host, models, sampling
 from toma_bench.syncs import SyncCounter
 
 pytestmark = pytest.mark.comfy
@@ -51,24 +50,21 @@ def check_bound(counter: SyncCounter, allowed_sites=()) -> None:
 
 @pytest.mark.parametrize("method", list(UNET_METHODS))
 def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, method, monkeypatch):
-    import comfy.sample
-
     node, inputs = UNET_METHODS[method]
     (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(models.build_unet("sd15", 0, config=UNET_TINY), **inputs)
     builds = []
     build = pack.toma_core.CAToMe.build
     monkeypatch.setattr(pack.toma_core.CAToMe, "build", lambda *a, **k: builds.append(1) or build(*a, **k))
-    positive, negative = models.conditioning("sd15", 1, height=128, width=128)
-    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    conditioning = models.conditioning("sd15", 1, height=128, width=128)
+    noise = sampling.seeded_noise((1, 4, 16, 16), 0)
 
     def run(m):
         builds.clear()
-        comfy.sample.sample(m, noise, STEPS, 2.0, "euler", "normal", positive, negative, torch.zeros(1, 4, 16, 16),
-                            seed=0, disable_pbar=True)
+        sampling.sample(m, conditioning, torch.zeros(1, 4, 16, 16), steps=STEPS, cfg=2.0, noise=noise)
 
     counter = watched_run(patched, run)
 
-    summary = pack.nodes.plan_records.runtime_of(patched).summary()
+    summary = pack.nodes.runtime.runtime_of(patched).summary()
     assert summary["levels"], f"{method} merged nothing: the count would prove nothing"
     catome_site = "toma_core/baselines.py"
     check_bound(counter, allowed_sites=(catome_site,) if method == "CA-ToMe" else ())
@@ -78,18 +74,71 @@ def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, me
 
 @pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
 def test_flux_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
-    import comfy.sample
-
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_flux(seed=0), 0.5, 4, 5)
-    runtime = pack.nodes.plan_records.runtime_of(patched)
-    positive, negative = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
-    noise = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(0))
+    runtime = pack.nodes.runtime.runtime_of(patched)
+    conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
+    noise = sampling.seeded_noise((1, 16, 32, 32), 0)
 
     def run(m):
-        comfy.sample.sample(m, noise, STEPS, 1.0, "euler", "simple", positive, negative, torch.zeros(1, 16, 32, 32),
-                            seed=0, disable_pbar=True)
+        sampling.sample(m, conditioning, torch.zeros(1, 16, 32, 32), steps=STEPS, scheduler="simple", noise=noise)
 
     counter = watched_run(patched, run)
 
     assert runtime.summary()["levels"], "Flux merged nothing: the count would prove nothing"
+    check_bound(counter)
+
+
+VIDEO_CALLS = {
+    # family -> (builder, conditioning arch, config, latent channels, extra conditioning): image-to-video
+    # runs, so the first-frame modulation ranges (HunyuanVideo) and per-token timesteps (LTX-Video) are
+    # in the hot path too
+    "HunyuanVideo": (models.build_hunyuan_video, "hunyuan_video", models.HUNYUAN_VIDEO_TINY, 16,
+                     {"guiding_frame_index": 0}),
+    "LTX-Video": (models.build_ltxv, "ltxv", models.LTXV_TINY, 128, {}),
+}
+
+
+@pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
+@pytest.mark.parametrize("family", list(VIDEO_CALLS))
+def test_video_dit_sampling_waits_for_the_device_at_most_once_per_model_call(pack, family):
+    import comfy.sample
+
+    build, arch, config, channels, extra = VIDEO_CALLS[family]
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(build(seed=0), 0.5, 4, 5)
+    runtime = pack.nodes.runtime.runtime_of(patched)
+    positive, negative = models.video_conditioning(arch, config, 1, 32, seed=0, **extra)
+    shape = (1, channels, 5, 8, 12)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(1, 1, *shape[2:])
+    mask[:, :, 0] = 0.0  # the first latent frame is the input image
+
+    def run(m):
+        comfy.sample.sample(m, noise, STEPS, 1.0, "euler", "simple", positive, negative, torch.zeros(shape),
+                            seed=0, disable_pbar=True, noise_mask=mask)
+
+    counter = watched_run(patched, run)
+
+    assert runtime.summary()["levels"], f"{family} merged nothing: the count would prove nothing"
+    check_bound(counter)
+
+
+@pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
+def test_wan_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
+    """Wan 2.2 5B TI2V image-to-video (a noise mask of 0 over the first frame: a timestep per frame), so the
+    per-frame modulation rows are gathered too, with windows over 2 frames."""
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_wan("ti2v", seed=0), 0.5, 4, 5)
+    runtime = pack.nodes.runtime.runtime_of(patched)
+    conditioning = models.wan_conditioning(models.WAN_TINY, 1, 32, seed=0)
+    shape = (1, 48, 5, 8, 12)
+    noise = sampling.seeded_noise(shape, 0)
+    mask = torch.ones(1, 1, *shape[2:])
+    mask[:, :, 0] = 0.0  # the first latent frame is the input image
+
+    def run(m):
+        sampling.sample(m, conditioning, torch.zeros(shape), steps=STEPS, scheduler="simple", noise=noise,
+                        noise_mask=mask)
+
+    counter = watched_run(patched, run)
+
+    assert runtime.summary()["levels"], "Wan merged nothing: the count would prove nothing"
     check_bound(counter)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from toma_bench import models
+from toma_bench import models, sampling
+from toma_bench.metrics import relative_l2
 
 pytestmark = pytest.mark.comfy
 
@@ -25,16 +26,12 @@ TOMA = {"ratio": 0.5, "window_size": 4, "reuse_interval": 5}
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-def sample(model, arch, shape=SQUARE, *, steps=1, cfg=1.0, denoise=1.0, seed=0, latent=None, callback=None):
-    """ComfyUI's comfy.sample.sample (euler, normal schedule) on a zero latent of ``shape`` (or ``latent``),
-    with seeded noise and batch-1 conditioning (ComfyUI repeats it over the latent batch)."""
-    import comfy.sample
-
+def sample(model, arch, shape=SQUARE, *, steps=1, latent=None, **options):
+    """sampling.sample (euler, normal schedule) on a zero latent of ``shape`` (or ``latent``), with
+    batch-1 conditioning (ComfyUI repeats it over the latent batch)."""
     latent = torch.zeros(shape[0], 4, *shape[1:]) if latent is None else latent
-    positive, negative = models.conditioning(arch, 1, height=8 * latent.shape[-2], width=8 * latent.shape[-1])
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
-    return comfy.sample.sample(model, noise, steps, cfg, "euler", "normal", positive, negative, latent,
-                               denoise=denoise, seed=seed, disable_pbar=True, callback=callback)
+    conditioning = models.conditioning(arch, 1, height=8 * latent.shape[-2], width=8 * latent.shape[-1])
+    return sampling.sample(model, conditioning, latent, steps=steps, **options)
 
 
 def patch(pack, node, model, **inputs):
@@ -45,14 +42,14 @@ def patch(pack, node, model, **inputs):
 def merged_levels(pack, patched) -> dict[int, dict]:
     """{downsample factor: {"tokens", "merged_tokens", "steps", "downsample"}} of the levels the last run
     merged, from the runtime's summary."""
-    summary = pack.nodes.plan_records.runtime_of(patched).summary()
+    summary = pack.nodes.runtime.runtime_of(patched).summary()
     return {stats["downsample"]: stats for stats in summary["levels"].values()}
 
 
 def plan_layouts(pack, patched) -> set[tuple[int, tuple]]:
     """{(rows, cond_or_uncond)} of the batches the last run's plans were built for (the UNet adapter's
     plan keys end with the batch layout: plans are never shared between cond and uncond rows)."""
-    return {key[-1] for key in pack.nodes.plan_records.runtime_of(patched).plans}
+    return {key[-1] for key in pack.nodes.runtime.runtime_of(patched).plans}
 
 
 def grid(h, w, ds):
@@ -68,10 +65,6 @@ def blocks_of(model):
 
 def runs_class_forward(block):
     return block.forward.__func__ is type(block).forward
-
-
-def relative_error(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def toma_warnings(caplog):
@@ -134,7 +127,7 @@ def test_catome_threshold_one_stays_close(pack, sd15, caplog):
 
     out = sample(patched, "sd15")
 
-    assert relative_error(out, sd15.reference) < 1e-5
+    assert relative_l2(out, sd15.reference) < 1e-5
     level = merged_levels(pack, patched)[1]
     assert level["merged_tokens"] == level["tokens"] == 32 * 32
     assert not toma_warnings(caplog)
@@ -267,7 +260,7 @@ def test_both_attention_backends_run_on_merged_tokens(pack, sd15, monkeypatch, s
         assert (32 * 32, 32 * 32) not in self_attention, f"{backend}: full-resolution self-attention ran"
         # scope "block" also runs cross-attention (and the feed-forward) on the merged tokens
         assert (kept in cross_attention) == (scope == "block")
-    assert relative_error(outputs["attention_pytorch"], outputs["attention_sub_quad"]) < 1e-4
+    assert relative_l2(outputs["attention_pytorch"], outputs["attention_sub_quad"]) < 1e-4
 
 
 # -- isolation: the input MODEL, other clones, later runs --------------------------------------------------
@@ -341,9 +334,9 @@ def test_toma_stays_close_to_unpatched_on_structured_latents(pack, sd15):
         return got[0]
 
     reference = eps(base)
-    toma = relative_error(eps(patch(pack, "ToMAPatchModel", base, **TOMA)), reference)
+    toma = relative_l2(eps(patch(pack, "ToMAPatchModel", base, **TOMA)), reference)
     # deliberately bad: 90% of the tokens merged, softly (tau 1 averages each window), in 32x32 windows
-    bad = relative_error(eps(patch(pack, "ToMAPatchModelAdvanced", base,
+    bad = relative_l2(eps(patch(pack, "ToMAPatchModelAdvanced", base,
                                    **advanced(ratio=0.9, window_size=32, tau=1.0))), reference)
 
     # Measured (both trees): ToMA 0.7%, ratio 0.9 in 4x4 windows 1.5%, the bad merge 3.0%; dropping
@@ -410,17 +403,14 @@ def controlnet(pack, tmp_path_factory):
 
 
 def test_controlnet_with_a_patched_model(pack, sd15, controlnet, toma_square, caplog):
-    import comfy.sample
     import nodes  # ComfyUI's nodes.py
 
     hint = torch.rand(1, 256, 256, 3, generator=torch.Generator().manual_seed(12))  # an IMAGE for 32x32
     toma = patch(pack, "ToMAPatchModel", sd15.model, **TOMA)
     positive, negative = models.conditioning("sd15", 1, height=256, width=256)  # those sample() uses
     (controlled,) = nodes.ControlNetApply().apply_controlnet(positive, controlnet, hint, 1.0)
-    noise = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(0))
 
-    out = comfy.sample.sample(toma, noise, 1, 1.0, "euler", "normal", controlled, negative,
-                              torch.zeros(1, 4, 32, 32), seed=0, disable_pbar=True)
+    out = sampling.sample(toma, (controlled, negative), torch.zeros(1, 4, 32, 32), steps=1)
 
     assert torch.isfinite(out).all()
     assert not torch.equal(out, toma_square)  # the ControlNet residuals reached the patched UNet

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from toma_core.baselines import tomesd_plan
 from toma_core.plan import plan_tiles
 
+from .tables import format_cell, format_table
+
 SHAPES = [((2, 4096, 640), (64, 64)), ((2, 1024, 1280), (32, 32))]
-TILES = (4, 8, 16)
+WINDOWS = (4, 8, 16)  # the nodes' window_size: side of ToMA's square windows, in tokens
 RATIO = 0.5
 HEAD_DIM = 64
 
@@ -53,12 +55,13 @@ def bench_shape(shape, hw, device, dtype, repeats):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     gen = torch.Generator(device).manual_seed(0)
     fns, methods = {"attn": lambda: attention(x)}, []
-    for tile in TILES:
-        name = f"ToMA tile {tile}"
-        plan = plan_tiles(x, hw, tile, RATIO, generator=gen)
+    for window in WINDOWS:
+        name = f"ToMA window {window}"
+        plan = plan_tiles(x, hw, window, RATIO, generator=gen)
         merged = plan.merge(x)
-        fns[name, "select"] = lambda tile=tile: plan_tiles(x, hw, tile, RATIO, generator=gen)
-        fns[name, "weights"] = lambda tile=tile, d=plan.destinations: plan_tiles(x, hw, tile, RATIO, destinations=d)
+        fns[name, "select"] = lambda window=window: plan_tiles(x, hw, window, RATIO, generator=gen)
+        fns[name, "weights"] = lambda window=window, d=plan.destinations: plan_tiles(x, hw, window, RATIO,
+                                                                                     destinations=d)
         fns[name, "merge"] = lambda p=plan: p.merge(x)
         fns[name, "unmerge"] = lambda p=plan, m=merged: p.unmerge(m)
         methods.append((name, merged.shape[1]))
@@ -76,7 +79,8 @@ def bench_shape(shape, hw, device, dtype, repeats):
     return t["attn"], rows
 
 
-def format_table(attn_n, rows) -> str:
+def cost_table(attn_n, rows) -> str:
+    """The costs of ``rows`` (from bench_shape) in % of the full-length attention time ``attn_n``."""
     head = ["method", "select", "weights", "merge", "unmerge", "attn N'", "saved", "overhead", "net"]
     lines = []
     for name, t in rows:
@@ -85,10 +89,8 @@ def format_table(attn_n, rows) -> str:
         cost = pct["select"] + pct["merge"] + pct["unmerge"]
         cells = [pct["select"], pct["weights"], pct["merge"], pct["unmerge"], pct["attn"], saved,
                  100 * cost / saved if saved > 0 else float("inf"), saved - cost]
-        lines.append([name] + ["-" if c is None else f"{c:.1f}%" for c in cells])
-    widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
+        lines.append([name] + [format_cell(c, "{:.1f}%") for c in cells])
+    return format_table(head, lines)
 
 
 def main(argv=None) -> None:
@@ -116,7 +118,7 @@ def main(argv=None) -> None:
                 attn_n, rows = bench_shape(shape, hw, device, dtype, args.repeats)
                 print(f"\n{name}, {str(dtype).removeprefix('torch.')}, x {tuple(shape)} "
                       f"[{hw[0]}x{hw[1]}], SDPA {1000 * attn_n:.2f} ms")
-                print(format_table(attn_n, rows))
+                print(cost_table(attn_n, rows))
 
 
 if __name__ == "__main__":

@@ -23,70 +23,28 @@ latent. On CUDA the runtime's clocks are CUDA events (nodes.live_stats.StageCloc
 """
 import argparse
 import datetime
-import importlib.util
-import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-PACK = "comfyui_toma"
-
-
-def has_flux(root: Path) -> bool:
-    return (root / "comfy" / "ldm" / "flux" / "model.py").is_file()
-
-
-def import_comfy(device: str, require_flux: bool = True) -> Path:
-    """ComfyUI's core modules (``$COMFYUI_PATH``, else <repo>/.comfyui-current) on ``device`` with PyTorch
-    SDPA; on CUDA in high-VRAM mode, so the weights stay on the GPU between interleaved runs. Imports
-    neither ComfyUI's nodes.py nor anything it pulls in (PyAV, the API nodes)."""
-    root = Path(os.environ.get("COMFYUI_PATH") or REPO / ".comfyui-current").resolve()
-    if not (root / "comfy" / "model_management.py").is_file() or (require_flux and not has_flux(root)):
-        raise SystemExit(f"no ComfyUI{' with Flux' if require_flux else ''} at {root}: set COMFYUI_PATH "
-                         "(tests/setup_current.sh makes one)")
-    if "comfy.model_management" in sys.modules:
-        raise RuntimeError("ComfyUI was imported before import_comfy(): the device cannot be chosen")
-    sys.path.insert(0, str(root))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = device == "cpu"
-    comfy.cli_args.args.highvram = device == "cuda"
-    comfy.cli_args.args.use_pytorch_cross_attention = True
-    import comfy.model_management  # imported for its side effect: it picks the device and attention backend now
-
-    return root
-
-
-def load_pack():
-    """The repo imported as the package ``comfyui_toma`` (its ``nodes/`` must not shadow ComfyUI's nodes.py)."""
-    if PACK in sys.modules:
-        return sys.modules[PACK]
-    spec = importlib.util.spec_from_file_location(PACK, REPO / "__init__.py",
-                                                  submodule_search_locations=[str(REPO)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[PACK] = module
-    spec.loader.exec_module(module)
-    return module
+from . import comfy_host, models, sampling
+from .metrics import relative_l2
+from .tables import format_cell, format_table
 
 
 def toma_variant(pack, model, ratio: float, window: int, reuse: int):
     """(patched clone, list that receives each run's summary)."""
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
     summaries = []
-    pack.nodes.plan_records.runtime_of(patched).run_listeners.append(summaries.append)
+    pack.nodes.runtime.runtime_of(patched).run_listeners.append(summaries.append)
     return patched, summaries
 
 
 def run_once(model, job: dict, device: str):
     """(wall seconds per step, process CPU seconds per step, first-step denoised output, sampled
     latent) of one sampling run."""
-    import comfy.sample
-
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     stamps, first = [], []
 
@@ -98,36 +56,20 @@ def run_once(model, job: dict, device: str):
 
     sync()
     start = (time.perf_counter(), time.process_time())
-    out = comfy.sample.sample(model, job["noise"], job["steps"], 1.0, "euler", "simple", job["positive"],
-                              job["negative"], job["latent"], denoise=0.75, seed=0, callback=callback,
-                              disable_pbar=True)
+    out = sampling.sample(model, job["conditioning"], job["latent"], steps=job["steps"], scheduler="simple",
+                          denoise=0.75, noise=job["noise"], callback=callback)
     wall, cpu = ([b[i] - a[i] for a, b in zip([start] + stamps[:-1], stamps)] for i in (0, 1))
     return wall, cpu, first[0], out.float().cpu()
 
 
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-
-def format_cell(value, pattern: str) -> str:
-    """A table cell: ``value`` through ``pattern``, or "-" for a value not measured."""
-    return "-" if value is None else pattern.format(value)
-
-def format_table(rows: list[dict]) -> str:
+def variant_table(rows: list[dict]) -> str:
     head = ["variant", "step ms", "speed-up", "CPU-time speed-up", "image tokens", "select %", "merge %",
             "rel L2 x0", "rel L2 out"]
     base, base_cpu = rows[0]["step"], rows[0]["cpu"]
-    lines = [[r["name"], f"{1000 * r['step']:.1f}", f"{base / r['step']:.2f}x",
-              format_cell(r["cpu"] and base_cpu / r["cpu"], "{:.2f}x"), r["tokens"],
-              format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%"),
-              format_cell(r["x0"], "{:.4f}"), format_cell(r["out"], "{:.4f}")] for r in rows]
-    widths = [max(len(row[i]) for row in [head] + lines) for i in range(len(head))]
-
-    def fmt(row):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
+    return format_table(head, [[r["name"], f"{1000 * r['step']:.1f}", f"{base / r['step']:.2f}x",
+                                format_cell(r["cpu"] and base_cpu / r["cpu"], "{:.2f}x"), r["tokens"],
+                                format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%"),
+                                format_cell(r["x0"], "{:.4f}"), format_cell(r["out"], "{:.4f}")] for r in rows])
 
 
 def merged_tokens(summary: dict) -> str:
@@ -146,7 +88,8 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant (default 3)")
     ap.add_argument("--latent", default=None, help="latent HxW (default 128x128 on CUDA, 64x64 on CPU)")
     ap.add_argument("--tokens", type=int, default=None, help="text tokens (default 512 on CUDA, 256 on CPU)")
-    ap.add_argument("--window", type=int, default=4, help="ToMA window side in tokens (default 4)")
+    ap.add_argument("--window", type=int, default=4,
+                    help="side of ToMA's windows in tokens, the nodes' window_size (default 4)")
     ap.add_argument("--reuse", type=int, default=5, help="steps between destination recomputations (default 5)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -178,20 +121,17 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    import_comfy(args.device)
-    pack = load_pack()
-    from . import models
-
+    comfy_host.import_core(args.device)
+    pack = comfy_host.load_pack()
     cuda = args.device == "cuda"
     config, dtype = (models.FLUX_FULL, torch.bfloat16) if cuda else (models.FLUX_SMALL, torch.float32)
     built = time.perf_counter()
     model = models.build_flux(seed=0, dtype=dtype, config=config, device="cuda" if cuda else None)
     built = time.perf_counter() - built
     H, W = args.latent
-    positive, negative = models.dit_conditioning("flux", config, 1, args.tokens, seed=0)
-    job = {"steps": args.steps, "positive": positive, "negative": negative,
+    job = {"steps": args.steps, "conditioning": models.dit_conditioning("flux", config, 1, args.tokens, seed=0),
            "latent": models.structured_latent(1, H, W, seed=0, channels=16),
-           "noise": torch.randn(1, 16, H, W, generator=torch.Generator().manual_seed(0))}
+           "noise": sampling.seeded_noise((1, 16, H, W), 0)}
     variants = [("unpatched", model, None)]
     for ratio in args.ratios:
         patched, summaries = toma_variant(pack, model, ratio, args.window, args.reuse)
@@ -235,7 +175,7 @@ def main(argv=None) -> None:
     print(f"latent {H}x{W} ({-(-H // 2) * -(-W // 2)} image tokens), {args.tokens} text tokens, {args.steps} "
           f"euler steps at denoise 0.75, window {args.window}, reuse {args.reuse}; {args.repeats} interleaved "
           f"repeats, median of {len(steps['unpatched'])} steps per variant")
-    print(format_table(rows))
+    print(variant_table(rows))
 
 
 if __name__ == "__main__":

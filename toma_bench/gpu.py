@@ -45,9 +45,8 @@ from pathlib import Path
 
 import torch
 
-from . import flux as flux_bench
-from .flux import format_cell
-from . import models
+from . import comfy_host, models, sampling
+from .tables import format_cell
 
 DEFAULT_BUDGET_S = 420  # the kit must finish in 8 minutes on an H100/H200, installs and start-up included
 SEED = 0
@@ -241,29 +240,25 @@ def build(name: str, scale: Scale, cuda: bool):
     device = "cuda" if cuda else None
     if name == "sdxl":
         model = models.build_unet("sdxl", SEED, scale.dtype, scale.config, draw_device=device)
-        positive, negative = models.conditioning("sdxl", 1, scale.text_tokens, SEED,
-                                                 8 * scale.latent[0], 8 * scale.latent[1])
+        conditioning = models.conditioning("sdxl", 1, scale.text_tokens, SEED, 8 * scale.latent[0], 8 * scale.latent[1])
         channels = 4
     else:
         model = models.build_flux(SEED, scale.dtype, scale.config, device=device, draw_device=device)
-        positive, negative = models.dit_conditioning("flux", scale.config, 1, scale.text_tokens, SEED)
+        conditioning = models.dit_conditioning("flux", scale.config, 1, scale.text_tokens, SEED)
         channels = 16
     latent = torch.zeros(1, channels, *scale.latent)
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(SEED))
-    return model, (positive, negative, latent, noise)
+    return model, (conditioning, latent, sampling.seeded_noise(latent.shape, SEED))
 
 
 def sample(model, scale: Scale, job) -> None:
-    import comfy.sample
-
-    positive, negative, latent, noise = job
-    comfy.sample.sample(model, noise, scale.steps, scale.cfg, "euler", "simple", positive, negative, latent,
-                        denoise=1.0, seed=SEED, disable_pbar=True)
+    conditioning, latent, noise = job
+    sampling.sample(model, conditioning, latent, steps=scale.steps, cfg=scale.cfg, scheduler="simple", seed=SEED,
+                    noise=noise)
 
 
 def runtime_summary(pack, model) -> dict | None:
     try:
-        return pack.nodes.plan_records.runtime_of(model).summary()
+        return pack.nodes.runtime.runtime_of(model).summary()
     except ValueError:  # unpatched
         return None
 
@@ -349,7 +344,7 @@ def comfy_description(root: Path) -> str:
     commit = root / ".comfyui-commit"
     if commit.is_file():
         return f"{commit.read_text().strip()[:12]} ({root.name})"
-    return f"tree at {root.name}" + ("" if flux_bench.has_flux(root) else " (March 2024, no Flux)")
+    return f"tree at {root.name}" + ("" if comfy_host.has_flux(root) else " (March 2024, no Flux)")
 
 
 def parse_args(argv):
@@ -382,8 +377,8 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
     cuda = not args.dry_run
-    root = flux_bench.import_comfy("cuda" if cuda else "cpu", require_flux=False)
-    pack = flux_bench.load_pack()
+    root = comfy_host.import_core("cuda" if cuda else "cpu", require_flux=False)
+    pack = comfy_host.load_pack()
     meta = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "machine": (f"{torch.cuda.get_device_name()}, {platform.node()}" if cuda
                         else f"CPU dry run (tiny models), {platform.node()}"),
@@ -394,7 +389,7 @@ def main(argv=None) -> None:
     deadline = started + args.budget_s
     sizes = scales(args.dry_run)
     todo, complete = list(args.models), True
-    if "flux" in todo and not flux_bench.has_flux(root):
+    if "flux" in todo and not comfy_host.has_flux(root):
         todo.remove("flux")
         results.notes.append(f"flux skipped: this ComfyUI tree ({root}) has no Flux (the pinned March 2024 tree); "
                              "prepare.sh packs the current one when its mirror is at hand")

@@ -10,7 +10,7 @@ a random-weight SD1.5-width checkpoint written once into ``.cache/main_job/`` (o
 method runs as its own prompt (ComfyUI caches node outputs, so a shared graph would time only the first
 branch) after one warm-up prompt that loads everything; the time of a run is the wall time of its KSampler
 node, read from the websocket's ``executing`` messages. It uses the same server helpers as the tests
-(tests/server.py, tests/comfy_host.py).
+(toma_bench/server.py, toma_bench/comfy_host.py).
 """
 from __future__ import annotations
 
@@ -28,17 +28,17 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from statistics import median
 from typing import NamedTuple
+
+from . import comfy_host, models, server
+from .tables import format_table
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "main_job"
 WORKFLOW = "sd15_compare_api.json"
 LABELS = {"unpatched": "unpatched", "toma": "ToMA", "tomesd": "ToMeSD"}  # SaveImage prefix -> table label
 TEXT_ENCODER_PREFIXES = ("cond_stage_model.", "conditioner.", "text_encoders.")  # SD1.x/2.x, SDXL, SD3-style
-
-sys.path.insert(0, str(REPO / "tests"))  # the test harness drives the headless ComfyUI (imported below)
-import comfy_host
-import server
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,8 +71,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def default_unet_config() -> dict:
     """SD1.5's widths (320 channels, 768-wide text context, so ComfyUI detects SD1.5) on its two
     highest-resolution levels, one block each: where token merging acts, at a CPU-friendly 107M params."""
-    from toma_bench import models
-
     return dict(models.SD15_SMALL, channel_mult=[1, 2], num_res_blocks=[1, 1], transformer_depth=[1, 1],
                 transformer_depth_output=[1, 1, 1, 1])
 
@@ -97,8 +95,6 @@ def default_checkpoint() -> Path:
 
 
 def write_checkpoint(path: str) -> None:
-    from toma_bench import models
-
     comfy_host.import_comfy()
     models.save_sd15_checkpoint(path, seed=0, config=default_unet_config(), vae=True)
 
@@ -224,12 +220,6 @@ def timed_runs(client, graph: dict, seed: int, repeats: int) -> tuple[dict, dict
     return seconds, images
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def mean_abs_difference(a: bytes, b: bytes) -> float:
     """Mean |a - b| over pixels of two PNGs, 0..255."""
     import numpy as np
@@ -243,14 +233,12 @@ def table(seconds: dict, images: dict) -> str:
     """Per method, medians over repeats: KSampler wall time and its speed-up over unpatched, the whole
     prompt's wall time and server CPU time; and how far the first image is from the unpatched one."""
     sampling = {label: median([t.sampling for t in runs]) for label, runs in seconds.items()}
-    rows = [f"{'method':<10} {'sampling s':>11} {'speedup':>8} {'prompt s':>9} {'prompt CPU s':>13} "
-            f"{'mean |diff| vs unpatched':>26}"]
-    for label, runs in seconds.items():
-        diff = mean_abs_difference(images[label][0], images["unpatched"][0])
-        rows.append(f"{LABELS.get(label, label):<10} {sampling[label]:>11.2f} "
-                    f"{sampling['unpatched'] / sampling[label]:>7.2f}x {median([t.prompt for t in runs]):>9.2f} "
-                    f"{median([t.cpu for t in runs]):>13.2f} {diff:>20.2f} /255")
-    return "\n".join(rows)
+    head = ["method", "sampling s", "speedup", "prompt s", "prompt CPU s", "mean |diff| vs unpatched"]
+    rows = [[LABELS.get(label, label), f"{sampling[label]:.2f}", f"{sampling['unpatched'] / sampling[label]:.2f}x",
+             f"{median([t.prompt for t in runs]):.2f}", f"{median([t.cpu for t in runs]):.2f}",
+             f"{mean_abs_difference(images[label][0], images['unpatched'][0]):.2f} /255"]
+            for label, runs in seconds.items()]
+    return format_table(head, rows)
 
 
 def side_by_side(images: dict, seconds: dict, path: Path) -> None:

@@ -2,8 +2,8 @@
 
 Weights follow PyTorch's default initialisation (kaiming-uniform linear/conv, unit norms), drawn from a
 seeded ``torch.Generator``: activations stay O(1), so merging errors show up instead of hiding under a
-tiny init. ComfyUI must already be importable with the CPU selected (see tests/comfy_host.py); this module
-imports comfy lazily.
+tiny init. ComfyUI must already be importable with the CPU selected (see comfy_host.import_comfy); this
+module imports comfy lazily.
 """
 import math
 
@@ -233,6 +233,84 @@ def dit_conditioning(arch: str, config: dict, batch: int = 1, tokens: int = 256,
             opts["guidance"] = 3.5
             if reference_latent is not None:
                 opts["reference_latents"] = [reference_latent]
+        return [[torch.randn(batch, tokens, context, generator=g), opts]]
+
+    return cond(), cond()
+
+
+# -- video DiTs (current ComfyUI only) --------------------------------------------------------------
+# HunyuanVideo 1.0 widths and depths: text from LLaVA-Llama-3 (4096), pooled CLIP-L (768), patch 1x2x2.
+HUNYUAN_VIDEO_FULL = {
+    "image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768,
+    "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 20,
+    "depth_single_blocks": 40, "axes_dim": [16, 56, 56], "theta": 256, "patch_size": [1, 2, 2],
+    "qkv_bias": True, "guidance_embed": True, "byt5": False, "meanflow": False,
+}
+# Tiny, for tests: both block groups present (1 of 2 double, 3 of 3 single blocks merge).
+HUNYUAN_VIDEO_TINY = dict(HUNYUAN_VIDEO_FULL, vec_in_dim=32, context_in_dim=64, hidden_size=64, num_heads=4,
+                          depth=2, depth_single_blocks=3, axes_dim=[4, 6, 6])
+
+# LTX-Video 0.9 2B: 28 blocks of 32 heads x 64, text from T5-XXL (4096), 128 latent channels.
+LTXV_FULL = {"image_model": "ltxv", "in_channels": 128, "cross_attention_dim": 2048, "attention_head_dim": 64,
+             "num_attention_heads": 32, "caption_channels": 4096, "num_layers": 28}
+# Tiny, for tests (blocks 1-3 of 4 merge); the cross-attention width is the inner width, as in LTX-Video.
+LTXV_TINY = dict(LTXV_FULL, cross_attention_dim=64, attention_head_dim=16, num_attention_heads=4,
+                 caption_channels=48, num_layers=4)
+
+
+def build_hunyuan_video(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None,
+                        device=None, image: bool = False):
+    """A ComfyUI ModelPatcher around a random-weight HunyuanVideo (HUNYUAN_VIDEO_TINY unless ``config``;
+    HUNYUAN_VIDEO_FULL is HunyuanVideo 1.0); ``image``: ComfyUI's HunyuanImage 2.1 model around the same
+    class (``config`` then needs a 2-D patch_size and vec_in_dim None)."""
+    import comfy.supported_models
+
+    family = comfy.supported_models.HunyuanImage21 if image else comfy.supported_models.HunyuanVideo
+    cfg = family(dict(config or HUNYUAN_VIDEO_TINY))
+    cfg.set_inference_dtype(dtype, None)
+    base = cfg.get_model({}, device=device)
+    init_weights_(base, seed)
+    _unit_norm_scales_(base)
+    return _patcher(base.to(dtype))
+
+
+def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight LTX-Video (LTXV_TINY unless ``config``; LTXV_FULL is
+    the 2B model)."""
+    import comfy.supported_models
+
+    cfg = comfy.supported_models.LTXV(dict(config or LTXV_TINY))
+    cfg.set_inference_dtype(dtype, None)
+    base = cfg.get_model({}, device=device)
+    init_weights_(base, seed)
+    _unit_norm_scales_(base)
+    return _patcher(base.to(dtype))
+
+
+def video_conditioning(arch: str, config: dict, batch: int = 1, tokens: int = 77, seed: int = 0,
+                       text_mask: torch.Tensor | None = None, **extra):
+    """(positive, negative) CONDITIONING for a model built by build_hunyuan_video ("hunyuan_video") or
+    build_ltxv ("ltxv") from ``config``: text (batch, tokens, context dim) from a seeded generator, the
+    pooled vector HunyuanVideo 1.0 needs (none where vec_in_dim is None: HunyuanImage 2.1), the text
+    ``attention_mask`` (batch, tokens) of 0/1 (LTX-Video's text encoder always gives one, and its model
+    requires it: all ones unless ``text_mask``), and ``extra`` conditioning values (guiding_frame_index,
+    ref_latent, keyframe_idxs, frame_rate)."""
+    g = torch.Generator().manual_seed(seed)
+    if arch == "hunyuan_video":
+        context = config["context_in_dim"]
+    elif arch == "ltxv":
+        context = config["caption_channels"]
+    else:
+        raise ValueError(f"arch must be 'hunyuan_video' or 'ltxv', got {arch!r}")
+
+    def cond():
+        opts = dict(extra)
+        if arch == "hunyuan_video" and config["vec_in_dim"] is not None:
+            opts["pooled_output"] = torch.randn(batch, config["vec_in_dim"], generator=g)
+        if text_mask is not None:
+            opts["attention_mask"] = text_mask
+        elif arch == "ltxv":
+            opts["attention_mask"] = torch.ones(batch, tokens, dtype=torch.long)
         return [[torch.randn(batch, tokens, context, generator=g), opts]]
 
     return cond(), cond()

@@ -16,18 +16,20 @@ noised to the first sigma; every variant sees the same input there) and the PSNR
 """
 import argparse
 import contextlib
-import importlib
 import logging
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from . import comfy_host, models, sampling
+from .metrics import psnr, relative_l2
+from .tables import format_cell, format_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,9 +59,6 @@ DEFAULTS = {
 # -- setup --------------------------------------------------------------------------------------------
 def import_host(device: str, sdpa: bool):
     """ComfyUI (attention backend fixed for the process) and the pack, as (comfy nodes module, pack)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import comfy_host
-
     comfy_host.import_comfy(pytorch_attention=sdpa, cpu=device == "cpu")
     pack = comfy_host.load_pack()
     import nodes as comfy_nodes  # ComfyUI's nodes.py (import_comfy put its tree first on sys.path)
@@ -81,10 +80,10 @@ class Job:
     device: str  # "cpu" or "cuda": where ComfyUI runs the model
 
 
-def make_job(arch: str, config_name: str, steps: int, device: str, models) -> Job:
+def make_job(arch: str, config_name: str, steps: int, device: str) -> Job:
     side = LATENT_SIDE[arch]
     latent = models.structured_latent(1, side, side, seed=SEED)
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(SEED + 1))
+    noise = sampling.seeded_noise(latent.shape, SEED + 1)
     positive, negative = models.conditioning(arch, 1, 77, SEED, height=side * 8, width=side * 8)
     return Job(arch, config_name, latent, noise, positive, negative, steps, device)
 
@@ -192,17 +191,13 @@ def recording_wrapper(holder: list):
 
 
 def sample(model, job: Job, holder: list) -> tuple[torch.Tensor, Recording]:
-    """Run ``job`` on ``model``: (final latent, recording). On the CPU, with one CFG batch (one_cfg_batch)."""
-    import comfy.sample
-
+    """Run ``job`` on ``model``: (final latent, recording). On the CPU, with one CFG batch (one_cfg_batch).
+    The global RNGs are seeded for the run (ComfyUI's TomePatchModel draws its destinations from them)."""
     holder[0] = Recording()
-    # ComfyUI's TomePatchModel draws its destinations from the global RNG: seed it, and restore it after.
-    cuda = job.device == "cuda"
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []), \
-            (contextlib.nullcontext() if cuda else one_cfg_batch()):
-        torch.manual_seed(SEED)
-        final = comfy.sample.sample(model, job.noise, job.steps, CFG, SAMPLER, SCHEDULER, job.positive,
-                                    job.negative, job.latent, denoise=DENOISE, seed=SEED, disable_pbar=True)
+    with contextlib.nullcontext() if job.device == "cuda" else one_cfg_batch():
+        final = sampling.sample(model, (job.positive, job.negative), job.latent, steps=job.steps, cfg=CFG,
+                                sampler=SAMPLER, scheduler=SCHEDULER, denoise=DENOISE, seed=SEED, noise=job.noise,
+                                global_rngs=True)
     rec, holder[0] = holder[0], None
     return final.float().cpu(), rec
 
@@ -241,11 +236,9 @@ def timed_call(model, call, sync) -> tuple[float, float]:
 
 def find_runtime(pack):
     """model -> its MergeRuntime (through the id the pack's nodes write into transformer_options), or None."""
-    records = importlib.import_module(f"{pack.__name__}.nodes.plan_records")
-
     def runtime_of(model):
         try:
-            return records.runtime_of(model)
+            return pack.nodes.runtime.runtime_of(model)
         except ValueError:
             return None
 
@@ -272,17 +265,6 @@ class Row:
         return None if self.shares is None else sum(self.shares.values())
 
 
-def psnr(reference: torch.Tensor, x: torch.Tensor) -> float:
-    """PSNR in dB with the reference's value range as peak; inf when identical."""
-    mse = float(((reference.double() - x.double()) ** 2).mean())
-    peak = float(reference.max() - reference.min())
-    return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
-
-
-def rel_l2(reference: torch.Tensor, x: torch.Tensor) -> float:
-    return float((x - reference).norm() / reference.norm())
-
-
 def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, progress=print) -> list[Row]:
     """Pass 1 samples each variant once (fidelity, and the calls to replay; also the warm-up). Pass 2
     replays the recorded calls ``repeats`` times, call by call across the variants (step 0 of every
@@ -291,11 +273,11 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
     holder = [None]
     recorded = base.clone()
     recorded.set_model_unet_function_wrapper(recording_wrapper(holder))
-    models = [v.patch(recorded) for v in variants]
+    patched = [v.patch(recorded) for v in variants]
     runtime_of = find_runtime(pack)
     start = time.perf_counter()
     finals, recordings, removed = [], [], []
-    for model in models:
+    for model in patched:
         final, rec = sample(model, job, holder)
         finals.append(final)
         recordings.append(rec)
@@ -312,11 +294,11 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
     for rep in range(repeats):
         start = time.perf_counter()
         for k in range(n_calls):
-            for i, (model, rec) in enumerate(zip(models, recordings)):
+            for i, (model, rec) in enumerate(zip(patched, recordings)):
                 w, c = timed_call(model, rec.calls[k], sync)
                 wall[i][rep] += w
                 cpu[i][rep] += c
-        for i, model in enumerate(models):  # a runtime's seconds cover its current run: this repeat
+        for i, model in enumerate(patched):  # a runtime's seconds cover its current run: this repeat
             runtime = runtime_of(model)
             if runtime is not None:
                 shares[i][rep] = {k: v / wall[i][rep] for k, v in runtime.stage_clock.seconds().items()}
@@ -331,28 +313,23 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
                         1000 * statistics.median(cpu[i]) / job.steps,
                         statistics.median(u / v for u, v in zip(wall[0], wall[i])),
                         statistics.median(u / v for u, v in zip(cpu[0], cpu[i])),
-                        share, removed[i], rel_l2(recordings[0].first_eps, recordings[i].first_eps),
-                        psnr(finals[0], finals[i]), len(recordings[i].calls) / job.steps,
+                        share, removed[i], relative_l2(recordings[i].first_eps, recordings[0].first_eps),
+                        psnr(finals[i], finals[0]), len(recordings[i].calls) / job.steps,
                         max(c[0].shape[0] for c in recordings[i].calls)))
     return rows
 
 
 # -- output -------------------------------------------------------------------------------------------
-def format_table(rows: list[Row]) -> str:
+def variant_table(rows: list[Row]) -> str:
     head = ["arch", "variant", "ms/step", "cpu ms", "speedup", "cpu speedup", "merge cost", "sel/mrg/unm", "removed", "eps relL2", "PSNR dB"]
     lines = []
     for r in rows:
         shares = "-" if r.shares is None else "/".join(f"{100 * r.shares[k]:.1f}" for k in ("select", "merge", "unmerge"))
         lines.append([r.arch, r.variant.label, f"{r.step_ms:.0f}", f"{r.cpu_step_ms:.0f}", f"{r.speedup:.3f}x", f"{r.cpu_speedup:.3f}x",
-                      "-" if r.merge_share is None else f"{100 * r.merge_share:.1f}%", shares,
-                      "-" if r.merged_fraction is None else f"{100 * r.merged_fraction:.0f}%",
+                      format_cell(r.merge_share and 100 * r.merge_share, "{:.1f}%"), shares,
+                      format_cell(r.merged_fraction and 100 * r.merged_fraction, "{:.0f}%"),
                       f"{r.eps_rel_l2:.4f}", "inf" if math.isinf(r.psnr_db) else f"{r.psnr_db:.1f}"])
-    widths = [max(len(row[i]) for row in [head] + lines) for i in range(len(head))]
-
-    def fmt(row):
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in lines])
+    return format_table(head, lines, left=2)
 
 
 FAMILY_STYLE = {"ToMA attention": ("C0", "o"), "ToMA block": ("C1", "s"), "ToMeSD": ("C2", "^"),
@@ -434,7 +411,6 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     comfy_nodes, pack = import_host(args.device, args.attention == "sdpa")
     logging.getLogger().setLevel(logging.WARNING)  # after ComfyUI's basicConfig(INFO): no per-run chatter
-    models = importlib.import_module(f"{pack.__name__}.toma_bench.models")
     full = args.config == "full" or (args.config == "auto" and cuda)
     dtype = torch.float16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -442,7 +418,7 @@ def main(argv=None) -> None:
     threads = torch.get_num_threads()
     device_name = torch.cuda.get_device_name() if cuda else f"CPU, {threads} thread{'s' if threads > 1 else ''}"
     print(f"torch {torch.__version__}; {device_name}; {str(dtype).removeprefix('torch.')}; attention "
-          f"{args.attention}; ComfyUI {'current' if pack_is_current() else 'March 2024'}; {SAMPLER}/{SCHEDULER} "
+          f"{args.attention}; ComfyUI {'current' if comfy_host.is_current_comfy() else 'March 2024'}; {SAMPLER}/{SCHEDULER} "
           f"img2img denoise {DENOISE}, cfg {CFG}; self-attention q/k gain {args.qk_gain:g}", flush=True)
 
     rows = []
@@ -452,7 +428,7 @@ def main(argv=None) -> None:
             steps, repeats, ratios = DEFAULTS[args.device, mode, arch]
             steps, repeats = args.steps or steps, args.repeats or repeats
             ratios = parse_floats("ratios", args.ratios or ratios, 0.0, 0.9)
-            job = make_job(arch, config_name, steps, args.device, models)
+            job = make_job(arch, config_name, steps, args.device)
             base = models.build_unet(arch, seed=SEED, dtype=dtype, config=getattr(models, config_name))
             sharpen_self_attention_(base.model.diffusion_model, args.qk_gain)
             if args.sweep:
@@ -463,7 +439,7 @@ def main(argv=None) -> None:
                   f"{len(variants)} variants, {repeats} timing passes", flush=True)
             start = time.perf_counter()
             arch_rows = measure(job, variants, base, repeats, sync, pack, progress=lambda s: print(s, flush=True))
-            print(f"  {arch} done in {time.perf_counter() - start:.0f} s\n\n{format_table(arch_rows)}\n", flush=True)
+            print(f"  {arch} done in {time.perf_counter() - start:.0f} s\n\n{variant_table(arch_rows)}\n", flush=True)
             rows += arch_rows
             del base
     odd = [r for r in rows if r.calls_per_step != 1 or r.batch != 2]
@@ -475,7 +451,5 @@ def main(argv=None) -> None:
         print(f"plot: {args.plot}")
 
 
-def pack_is_current() -> bool:
-    import comfy_host
-
-    return comfy_host.is_current_comfy()
+if __name__ == "__main__":
+    main()

@@ -39,7 +39,9 @@ import time
 
 import torch
 
-from .flux import format_cell, import_comfy, load_pack, relative_l2
+from . import comfy_host, models, sampling
+from .metrics import relative_l2
+from .tables import format_cell, format_table
 
 # Latent H x W of Wan 2.1 videos (VAE stride 8): 832x480 and 1280x720.
 ASPECTS = {"480p": (60, 104), "720p": (90, 160)}
@@ -48,9 +50,7 @@ ASPECTS = {"480p": (60, 104), "720p": (90, 160)}
 def panned_latent(frames: int, height: int, width: int, seed: int = 0, channels: int = 16) -> torch.Tensor:
     """(1, channels, frames, height, width): a smooth latent (models.structured_latent) seen through a
     window that pans one latent pixel per frame, so neighbouring frames share most of their content."""
-    from .models import structured_latent
-
-    wide = structured_latent(1, height, width + frames - 1, seed=seed, channels=channels)
+    wide = models.structured_latent(1, height, width + frames - 1, seed=seed, channels=channels)
     return torch.stack([wide[..., f:f + width] for f in range(frames)], dim=2)
 
 
@@ -101,8 +101,6 @@ class StepProfile:
 def run_steps(model, job: dict, device: str, on_step=None):
     """(wall seconds per step, process CPU seconds per step, (denoised output, input latent) of the first
     step) of one sampling run; ``on_step`` is called at every step callback, after the device is synced."""
-    import comfy.sample
-
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     stamps, first = [], []
 
@@ -116,8 +114,8 @@ def run_steps(model, job: dict, device: str, on_step=None):
 
     sync()
     start = (time.perf_counter(), time.process_time())
-    comfy.sample.sample(model, job["noise"], job["steps"], 1.0, "euler", "simple", job["positive"],
-                        job["negative"], job["latent"], denoise=0.75, seed=0, callback=callback, disable_pbar=True)
+    sampling.sample(model, job["conditioning"], job["latent"], steps=job["steps"], scheduler="simple", denoise=0.75,
+                    noise=job["noise"], callback=callback)
     wall, cpu = ([b[i] - a[i] for a, b in zip([start] + stamps[:-1], stamps)] for i in (0, 1))
     return wall, cpu, first[0]
 
@@ -135,18 +133,15 @@ def toma_variant(pack, model, ratio: float, temporal_window: int, window: int, r
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse,
                                                                        temporal_window=temporal_window)
     summaries = []
-    pack.nodes.plan_records.runtime_of(patched).run_listeners.append(summaries.append)
+    pack.nodes.runtime.runtime_of(patched).run_listeners.append(summaries.append)
     return patched, summaries
 
 
 def measure(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[str, list[dict]]:
     """(the size's header line, one row per variant) for one latent size."""
-    from . import models
-
     H, W = (-(-side // args.scale) for side in ASPECTS[aspect])
-    positive, negative = models.wan_conditioning(config, 1, args.tokens, seed=0)
-    job = {"steps": args.steps, "positive": positive, "negative": negative, "latent": panned_latent(frames, H, W),
-           "noise": torch.randn(1, 16, frames, H, W, generator=torch.Generator().manual_seed(0))}
+    job = {"steps": args.steps, "conditioning": models.wan_conditioning(config, 1, args.tokens, seed=0),
+           "latent": panned_latent(frames, H, W), "noise": sampling.seeded_noise((1, 16, frames, H, W), 0)}
     blocks = len(model.model.diffusion_model.blocks)
     variants = [("unpatched", model, None)]
     for ratio in args.ratios:
@@ -200,7 +195,7 @@ def measure(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[
     return header, rows
 
 
-def format_table(rows: list[dict], device: str) -> str:
+def variant_table(rows: list[dict], device: str) -> str:
     """The rows ranked by CPU time (CPU) or wall time (CUDA), fastest first."""
     base = next(r for r in rows if r["name"] == "unpatched")
     rank = "wall" if device == "cuda" else "cpu"
@@ -211,12 +206,7 @@ def format_table(rows: list[dict], device: str) -> str:
               f"{r['predicted']:.2f}x", format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%"),
               format_cell(r["x0"], "{:.4f}"), format_cell(r["v"], "{:.4f}")]
              for r in sorted(rows, key=lambda r: r[rank])]
-    widths = [max(len(row[i]) for row in [head] + lines) for i in range(len(head))]
-
-    def fmt(row):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
+    return format_table(head, lines)
 
 
 def parse_sizes(text: str) -> list[tuple[str, int]]:
@@ -278,12 +268,10 @@ def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    root = import_comfy(args.device, require_flux=False)
+    root = comfy_host.import_core(args.device, require_flux=False)
     if not (root / "comfy" / "ldm" / "wan" / "model.py").is_file():
         raise SystemExit(f"no Wan in the ComfyUI at {root}: set COMFYUI_PATH to a current ComfyUI")
-    pack = load_pack()
-    from . import models
-
+    pack = comfy_host.load_pack()
     cuda = args.device == "cuda"
     config, dtype = (models.WAN_1_3B, torch.bfloat16) if cuda else (models.WAN_SMALL, torch.float32)
     built = time.perf_counter()
@@ -303,7 +291,7 @@ def main(argv=None) -> None:
           flush=True)
     for aspect, frames in args.sizes:
         header, rows = measure(pack, model, config, args, aspect, frames)
-        print(f"\n{header}\n{format_table(rows, args.device)}", flush=True)
+        print(f"\n{header}\n{variant_table(rows, args.device)}", flush=True)
     print(f"\nload average {', '.join(f'{v:.1f}' for v in os.getloadavg())} at the end")
 
 

@@ -7,9 +7,16 @@ An adapter module offers:
                                              message, when the strategy or the host cannot serve it
 Adding a family is one module here, its line in ADAPTERS and its tests.
 """
-from . import flux, sd3, unet, wan
+from . import flux, hunyuan_video, ltxv, sd3, unet, wan
 
-ADAPTERS = (unet, flux, sd3, wan)
+ADAPTERS = (
+    unet,
+    flux,
+    sd3,
+    hunyuan_video,
+    ltxv,
+    wan,
+)
 
 
 def adapter_for(model):

@@ -13,6 +13,11 @@ What runs merged:
   attention, and merging them would need a plan per reference grid.
 - Positions: RoPE tables ``pe`` hold per-token rows (layout [txt, image] along dim 2); a merged token
   takes its destination's row, and ``attn_mask`` (if any) is sliced the same way.
+- Videos (HunyuanVideo, LTX-Video): the grid is frames x h x w in raster order, merged in windows of the
+  strategy's shape; ``lead`` tokens before it (a reference latent, a first frame with its own
+  modulation) stay unmerged like ``extra``. Families whose blocks take other per-token tables (per-token
+  modulation, masks over keys only, other layouts) override ``DiTPatch.reduced_inputs`` and read their
+  layout with a ``LayoutStash`` subclass.
 
 Which blocks: the paper merges Flux double blocks 5-18 of 19 and single blocks 5-37 of 38. Other depths
 skip the same fraction of each group (depth * 5/19 double blocks, depth * 5/38 single blocks, rounded
@@ -30,6 +35,7 @@ side of H latent pixels gives ceil(H / p) tokens: odd and non-square sizes work.
 """
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,20 +53,34 @@ SKIP_FRACTION = {"double": 5 / 19, "single": 5 / 38}
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """The image part of a model call's token sequence: an h x w grid in raster order, followed by
-    ``extra`` tokens (Kontext reference images) that are never merged."""
+    """The image part of a model call's token sequence: ``lead`` tokens that are never merged (a
+    reference latent before the video, a first frame with its own modulation), then the grid that
+    merges, in raster order: h x w for an image, ``frames`` x h x w for a video (frame-major; a video
+    keeps its 3-D grid even for one frame), followed by ``extra`` tokens that are never merged (Kontext
+    reference images, LTX-Video keyframe guides)."""
 
     h: int
     w: int
     extra: int = 0
+    frames: int | None = None
+    lead: int = 0
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """The token grid plans are built on: (h, w), or (frames, h, w) for a video."""
+        return (self.h, self.w) if self.frames is None else (self.frames, self.h, self.w)
+
+    @property
+    def name(self) -> str:
+        return "x".join(map(str, self.grid))
 
     @property
     def tokens(self) -> int:
-        return self.h * self.w
+        return math.prod(self.grid)
 
     @property
     def total(self) -> int:
-        return self.tokens + self.extra
+        return self.lead + self.tokens + self.extra
 
 
 def patched_side(pixels: int, patch: int) -> int:
@@ -91,10 +111,28 @@ def joint_index(txt_len: int, layout: ImageLayout, destinations: torch.Tensor) -
     """(B, L') long: for each token of the merged sequence [txt, merged image, extra], the row of the
     full sequence [txt, image, extra] whose position it takes. destinations: (B, N') raster index of
     each merged token's destination (MergePlan.destination_tokens)."""
+    return sequence_index(txt_len + layout.lead, layout.tokens, txt_len + layout.total, destinations)
+
+
+def sequence_index(start: int, tokens: int, length: int, destinations: torch.Tensor) -> torch.Tensor:
+    """(B, L') long: for each token of a merged sequence, the row of the full sequence of ``length``
+    tokens whose position it takes, where the full sequence holds a grid of ``tokens`` tokens from row
+    ``start`` on and the merged one holds the grid's merged tokens there instead; rows before and after
+    the grid (text, unmerged image tokens) keep their own. destinations: (B, N') raster index of each
+    merged token's destination in the grid (MergePlan.destination_tokens)."""
     B, dev = destinations.shape[0], destinations.device
-    txt = torch.arange(txt_len, device=dev).expand(B, -1)
-    extra = torch.arange(txt_len + layout.tokens, txt_len + layout.total, device=dev).expand(B, -1)
-    return torch.cat([txt, destinations + txt_len, extra], dim=1)
+    before = torch.arange(start, device=dev).expand(B, -1)
+    after = torch.arange(start + tokens, length, device=dev).expand(B, -1)
+    return torch.cat([before, destinations + start, after], dim=1)
+
+
+def take_sequence(t, index: torch.Tensor, dim: int, length: int):
+    """``take_rows`` of ``t`` along ``dim`` where that axis is the full sequence of ``length`` tokens;
+    ``t`` itself where it is broadcast along it (size 1: one modulation vector or mask row for every
+    token) or None."""
+    if t is None or t.shape[dim] != length:
+        return t
+    return take_rows(t, index, dim)
 
 
 def merged_positions(args: dict, txt_len: int, layout: ImageLayout, plan) -> dict:
@@ -161,10 +199,9 @@ class DiTPatch:
         self.runtime = runtime
 
     def plan_for(self, group: str, image: torch.Tensor, layout: ImageLayout, options: dict):
-        hw = (layout.h, layout.w)
-        return self.runtime.plan(("dit", group), ("dit", group), hw, image,
+        return self.runtime.plan(("dit", group), ("dit", group), layout.grid, image,
                                  lambda: F.layer_norm(image, image.shape[-1:]), options,
-                                 f"{group} {layout.h}x{layout.w}")
+                                 f"{group} {layout.name}")
 
     def double_block(self, args: dict, extras: dict) -> dict:
         """Image stream [image, extra] (B, N + E, C) merged; text stream (B, L, C) or None passes whole."""
@@ -191,8 +228,8 @@ class DiTPatch:
         return merged_positions(args, txt_len, layout, plan)
 
     def merged_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout) -> dict:
-        """Run the block on ``args["img"]`` with its image tokens [start, start + layout.tokens) merged; return the
-        full-length result with the block's update of those tokens unmerged onto them."""
+        """Run the block on ``args["img"]`` with its grid tokens [start, start + layout.tokens) merged;
+        return the full-length result with the block's update of those tokens unmerged onto them."""
         seq, end = args["img"], start + layout.tokens
         image = seq[:, start:end]
         plan = self.plan_for(group, image, layout, args["transformer_options"])

@@ -12,18 +12,21 @@ tokens do not form).
 What a block call sees and what runs merged:
 - Tokens: [reference, video, time-concatenated frames]. The reference latent of Fun models
   (``ref_conv``) is prepended; Phantom's subject frames (``time_dim_concat``) follow the video as extra
-  frames. Only the t x h x w video grid merges; reference and subject tokens, and the text and CLIP
-  tokens of cross-attention, never do.
+  frames. Only the video grid merges; reference and subject tokens, and the text and CLIP tokens of
+  cross-attention, never do.
 - Positions: ``pe`` holds one 3-D RoPE row per token (dim 1, in the order above); a merged token takes
   its destination's row.
 - Modulation: ``vec`` (e0) is per sample, except on the 5B TI2V model in image-to-video, where the
-  timestep is per frame (the conditioning frame is at t = 0) and the block spreads e0's rows over the
-  tokens in equal runs (``repeat_e``). A merged token takes its destination's row too, so the block
-  gets one row per merged token. Why not merge the rows with the plan's weights: a blend of the
-  modulations of two timesteps is the modulation of no timestep, and the merged token already *is* its
-  destination for RoPE; gathering also costs no matmul over 6 x C channels. All frames but the
-  conditioning one share a row, so the two choices differ only for tokens merged across that frame and
-  the next (temporal windows of 2 or more).
+  timestep is per latent frame (the input image's frame at t = 0, from the noise mask) and the block
+  spreads e0's rows over the tokens in equal runs (``repeat_e``). Then the first latent frame stays
+  unmerged, as HunyuanVideo's and LTX-Video's image-to-video frames do: no merged token mixes two
+  timesteps, and every frame's attention to the clean input image stays exact. The other tokens take
+  their destination's row (gathered, so the block gets one row per merged token). Why gather rather
+  than merge the rows with the plan's weights: a blend of the modulations of two timesteps is the
+  modulation of no timestep, the merged token already *is* its destination for RoPE, and a gather costs
+  no matmul over 6 x C channels; where the merged frames share one timestep (every built-in node) the
+  two agree exactly, and where a noise mask gives later frames other timesteps, a window mixing them
+  modulates its merged tokens as their destinations.
 - VACE hint blocks and Animate's face adapter run outside the replaced blocks, on full-length tokens.
 
 Which blocks: one group of ``len(blocks)`` blocks (30 in 1.3B and 5B, 40 in 14B). Each Wan block is a
@@ -31,17 +34,15 @@ whole transformer layer over one sequence of video tokens, like Flux's single bl
 5/38 of them never merge (the paper's 5 of Flux's 38 single blocks): 4 of 30, 5 of 40.
 
 Token grid: Wan's DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (B, C, T, H,
-W) padded to the patch (1, 2, 2): T x ceil(H/2) x ceil(W/2) tokens, passed to the runtime as
-(frames, h, w).
+W) padded to the patch (1, 2, 2), the timesteps and the reference latent: T x ceil(H/2) x ceil(W/2)
+tokens (less the first frame under per-frame timesteps), passed to the runtime as (frames, h, w).
 """
 import logging
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, LayoutStash, joint_index, layout_wrapper,
-                  patch_blocks, take_rows)
+from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, layout_wrapper,
+                  patch_blocks, patched_side, sequence_index, take_rows)
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -61,7 +62,8 @@ def served_classes() -> tuple:
     """The WanModel classes whose blocks merge (exact classes: a subclass may call its blocks otherwise)."""
     import comfy.ldm.wan.model as wan
 
-    classes = [wan.WanModel] + [getattr(wan, name) for name in ("VaceWanModel", "CameraWanModel") if hasattr(wan, name)]
+    classes = [wan.WanModel] + [getattr(wan, name) for name in ("VaceWanModel", "CameraWanModel")
+                                if hasattr(wan, name)]
     try:
         from comfy.ldm.wan.model_animate import AnimateWanModel
     except ImportError:  # a ComfyUI before Wan 2.2 Animate
@@ -77,57 +79,36 @@ def supports(model) -> bool:
     return isinstance(getattr(model.model, "diffusion_model", None), WanModel)
 
 
-@dataclass(frozen=True)
-class VideoLayout:
-    """A Wan call's token sequence: ``prefix`` reference tokens, the ``frames`` x ``h`` x ``w`` video grid
-    in raster order (frame, row, column), then ``suffix`` tokens of time-concatenated frames. ``tokens``
-    and ``total`` count from the end of the prefix, as ImageLayout's do from the end of the text."""
-
-    prefix: int
-    frames: int
-    h: int
-    w: int
-    suffix: int = 0
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.frames, self.h, self.w
-
-    @property
-    def tokens(self) -> int:
-        return self.frames * self.h * self.w
-
-    @property
-    def total(self) -> int:
-        return self.tokens + self.suffix
-
-
-def sides(shape, patch) -> list[int]:
-    """Tokens along each axis of a latent of ``shape`` padded to ``patch`` (as ``pad_to_patch_size``)."""
-    return [-(-int(n) // p) for n, p in zip(shape, patch)]
+def per_frame(timestep) -> bool:
+    """Whether the call's timesteps are per latent frame ((B, T): WAN22 from a noise mask) rather than one
+    per batch row."""
+    return torch.is_tensor(timestep) and timestep.dim() > 1 and timestep.shape[1] > 1
 
 
 class VideoLayoutStash(LayoutStash):
     """The DIFFUSION_MODEL wrapper around ``WanModel._forward(x, timestep, context, clip_fea,
-    time_dim_concat, transformer_options, **kwargs)`` that hands the blocks the call's VideoLayout.
-    ``target``: that bound method; ``patch_size``: the model's (t, h, w) patch."""
+    time_dim_concat, transformer_options, **kwargs)`` that hands the blocks the call's layout: reference
+    tokens (and, under per-frame timesteps, the first frame) lead the grid unmerged, time-concatenated
+    frames follow it unmerged. ``target``: that bound method; ``patch_size``: the model's (t, h, w) patch."""
 
     def __init__(self, target, patch_size):
         super().__init__(target, tuple(patch_size))
         self.prepends_reference = getattr(target.__self__, "ref_conv", None) is not None
 
-    def layout(self, call: dict) -> VideoLayout | None:
+    def layout(self, call: dict) -> ImageLayout | None:
         x = call.get("x")
         if not torch.is_tensor(x) or x.dim() != 5:
             return None
-        frames, h, w = sides(x.shape[2:], self.patch)
+        frames, h, w = (patched_side(side, p) for side, p in zip(x.shape[2:], self.patch))
         concat = call.get("time_dim_concat")
-        suffix = sides(concat.shape[2:3], self.patch[:1])[0] * h * w if torch.is_tensor(concat) else 0
+        extra = patched_side(concat.shape[2], self.patch[0]) * h * w if torch.is_tensor(concat) else 0
         reference = (call.get("kwargs") or {}).get("reference_latent")
-        prefix = 0
+        lead = 0
         if self.prepends_reference and torch.is_tensor(reference):  # ref_conv: a strided conv, no padding
-            prefix = (reference.shape[-2] // self.patch[1]) * (reference.shape[-1] // self.patch[2])
-        return VideoLayout(prefix, frames, h, w, suffix)
+            lead = (reference.shape[-2] // self.patch[1]) * (reference.shape[-1] // self.patch[2])
+        if per_frame(call.get("timestep")):
+            lead, frames = lead + h * w, frames - 1
+        return ImageLayout(h, w, extra, frames, lead) if frames > 0 else None
 
 
 def modulation_per_token(vec) -> bool:
@@ -150,27 +131,21 @@ def modulation_rows(rows: int, tokens: int, device) -> torch.Tensor:
 class WanPatch(DiTPatch):
     """The "dit" double_block patches of one patched Wan clone."""
 
-    def plan_for(self, group: str, video: torch.Tensor, layout: VideoLayout, options: dict):
-        grid = layout.grid
-        return self.runtime.plan(("dit", group), ("dit", group), grid, video,
-                                 lambda: F.layer_norm(video, video.shape[-1:]), options,
-                                 f"{group} {'x'.join(map(str, grid))}")
-
     def block(self, args: dict, extras: dict) -> dict:
-        """[reference, video, suffix] (B, L, C) with the video tokens merged; context (text and CLIP
-        image tokens) and anything the layout does not account for pass whole."""
+        """[lead, video, extra] (B, L, C) with the video grid merged; context (text and CLIP image tokens)
+        passes whole, and so does a call the layout does not account for."""
         run, seq, pe = extras["original_block"], args["img"], args.get("pe")
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        if (not isinstance(layout, VideoLayout) or seq.shape[1] != layout.prefix + layout.total
-                or not torch.is_tensor(pe) or pe.dim() < 2 or pe.shape[1] != seq.shape[1]):
+        if (layout is None or seq.shape[1] != layout.total
+                or not torch.is_tensor(pe) or pe.dim() < 2 or pe.shape[1] != layout.total):
             return run(args)
-        return self.merged_call("video", args, run, layout.prefix, layout.prefix, layout)
+        return self.merged_call("video", args, run, layout.lead, 0, layout)
 
-    def reduced_inputs(self, args: dict, prefix: int, layout: VideoLayout, plan) -> dict:
+    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan) -> dict:
         """pe (1, L, 1, d/2, 2, 2) and a per-token e0 (B, rows, 6, C) cut to the rows of the merged
-        sequence [reference, destinations, suffix]."""
+        sequence [lead, destinations, extra]."""
         pe, vec = args["pe"], args.get("vec")
-        index = joint_index(prefix, layout, plan.destination_tokens().to(pe.device))
+        index = sequence_index(layout.lead, layout.tokens, layout.total, plan.destination_tokens().to(pe.device))
         inputs = {"pe": take_rows(pe, index, 1)}
         if modulation_per_token(vec):
             row_of_token = modulation_rows(vec.shape[1], args["img"].shape[1], vec.device)

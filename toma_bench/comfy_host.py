@@ -1,4 +1,4 @@
-"""Find, import and drive a real ComfyUI tree from the tests.
+"""Find, import and drive a real ComfyUI tree from the tests and the benchmarks.
 
 Two trees are supported with the same code, told apart by feature detection only:
 the pinned test host ``<repo>/.comfyui`` (ComfyUI of March 2024, built by ``tests/setup_host.sh``)
@@ -16,18 +16,25 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+PINNED_TREE = REPO / ".comfyui"  # tests/setup_host.sh
+CURRENT_TREE = REPO / ".comfyui-current"  # tests/setup_current.sh
 PACK_NAME = "comfyui_toma"  # sys.modules name used by load_pack()
 PACK_DIRNAME = "ComfyUI-ToMA"  # folder name of the pack inside a custom_nodes dir
 
-_state: dict = {}  # set once by import_comfy(): {"root": Path, "pytorch_attention": bool, "cpu": bool}
+_state: dict = {}  # set once by import_comfy(): the tree and the settings it was imported with
 
 
-def comfy_root() -> Path:
-    """The ComfyUI tree under test: ``$COMFYUI_PATH`` if set, else the pinned ``<repo>/.comfyui``."""
+def comfy_root(default: Path = PINNED_TREE) -> Path:
+    """The ComfyUI tree to use: ``$COMFYUI_PATH`` if set, else ``default`` (the pinned tree)."""
     env = os.environ.get("COMFYUI_PATH")
-    root = Path(env).expanduser().resolve() if env else REPO / ".comfyui"
+    root = Path(env).expanduser().resolve() if env else default
     if not (root / "main.py").is_file() or not (root / "comfy").is_dir():
-        how = "check COMFYUI_PATH" if env else "run: bash tests/setup_host.sh"
+        if env:
+            how = "check COMFYUI_PATH"
+        elif default == PINNED_TREE:
+            how = "run: bash tests/setup_host.sh"
+        else:
+            how = "set COMFYUI_PATH; tests/setup_current.sh makes one"
         raise RuntimeError(f"no ComfyUI tree at {root} ({how})")
     return root
 
@@ -39,6 +46,11 @@ def is_current_comfy() -> bool:
     """
     root = _state.get("root") or comfy_root()
     return (root / "comfy" / "patcher_extension.py").is_file()
+
+
+def has_flux(root: Path) -> bool:
+    """Whether the tree at ``root`` has Flux (August 2024 or later)."""
+    return (root / "comfy" / "ldm" / "flux" / "model.py").is_file()
 
 
 CURRENT_ONLY = ("Flux/SD3 exist only in current ComfyUI (set COMFYUI_PATH, e.g. to the .comfyui-current made "
@@ -54,30 +66,34 @@ def has_current_comfy() -> bool:
         return False
 
 
-def import_comfy(pytorch_attention: bool = False, cpu: bool = True) -> Path:
-    """Make ComfyUI importable in this process, on CPU, with its built-in extra nodes registered.
-    ``cpu=False`` lets ComfyUI pick its device (benchmarks on CUDA); tests keep the default.
+def import_comfy(root: Path | None = None, *, pytorch_attention: bool = False, cpu: bool = True,
+                 highvram: bool = False, extra_nodes: bool = True) -> Path:
+    """Make ComfyUI (the tree at ``root``, default comfy_root()) importable in this process, on the CPU
+    unless ``cpu=False`` (benchmarks on CUDA; ``highvram`` keeps the weights on the GPU between runs).
 
     * The tree goes first on ``sys.path``: ComfyUI's top-level ``nodes.py`` must win over the pack's
-      ``nodes/`` package (the repo root is on ``sys.path`` too, see conftest.py).
-    * ``args.cpu`` (and ``use_pytorch_cross_attention``) must be set before anything imports
+      ``nodes/`` package (the repo root is on ``sys.path`` too: conftest.py, ``python -m`` from the root).
+    * ``args.cpu`` (and the attention backend, VRAM mode) must be set before anything imports
       ``comfy.model_management``: it picks the device and attention backend at import time.
-      That choice is per process, so a second call with a different ``pytorch_attention`` raises.
-    * Extra nodes (``TomePatchModel``, ...) are registered by ``init_extra_nodes`` (current, async,
-      external custom nodes skipped) or ``init_custom_nodes`` (old). Idempotent; returns the tree path.
+      That choice is per process, so a second call with other settings raises.
+    * ``extra_nodes``: import ComfyUI's ``nodes.py`` and register its extra nodes (``TomePatchModel``, ...)
+      with ``init_extra_nodes`` (current, async, external custom nodes skipped) or ``init_custom_nodes``
+      (old). Without them only the core modules are imported: ``nodes.py`` pulls in PyAV and the API
+      nodes, which the GPU kit does not carry. Idempotent; returns the tree path.
     """
+    settings = {"pytorch_attention": pytorch_attention, "cpu": cpu, "highvram": highvram, "extra_nodes": extra_nodes}
     if _state:
-        if (_state["pytorch_attention"], _state["cpu"]) != (pytorch_attention, cpu):
-            raise RuntimeError(f"ComfyUI was already imported with pytorch_attention={_state['pytorch_attention']}, "
-                               f"cpu={_state['cpu']}; use a subprocess for the other settings")
+        if _state["settings"] != settings:
+            raise RuntimeError(f"ComfyUI was already imported with {_state['settings']}; use a subprocess for "
+                               f"{settings}")
         return _state["root"]
-    root = comfy_root()
+    root = root or comfy_root()
     loaded = sys.modules.get("nodes")
     if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve().parent != root.resolve():
         raise RuntimeError(f"a module 'nodes' from {getattr(loaded, '__file__', '?')} was imported before "
                            "ComfyUI's nodes.py; import the pack via comfy_host.load_pack(), never as 'nodes'")
     if "comfy.model_management" in sys.modules:
-        raise RuntimeError("comfy.model_management was imported before import_comfy(): CPU cannot be selected")
+        raise RuntimeError("comfy.model_management was imported before import_comfy(): the device cannot be chosen")
     if str(root) in sys.path:
         sys.path.remove(str(root))
     sys.path.insert(0, str(root))
@@ -85,20 +101,40 @@ def import_comfy(pytorch_attention: bool = False, cpu: bool = True) -> Path:
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = cpu
+    comfy.cli_args.args.highvram = highvram
     if pytorch_attention:
         comfy.cli_args.args.use_pytorch_cross_attention = True
+    import comfy.model_management  # imported for its side effect: it picks the device and attention backend now
 
-    import nodes
+    if extra_nodes:
+        import nodes
 
-    if hasattr(nodes, "init_extra_nodes"):
-        params = inspect.signature(nodes.init_extra_nodes).parameters
-        result = nodes.init_extra_nodes(**{k: False for k in ("init_custom_nodes", "init_api_nodes") if k in params})
-        if inspect.isawaitable(result):
-            asyncio.run(result)
-    else:
-        nodes.init_custom_nodes()
-    _state.update(root=root, pytorch_attention=pytorch_attention, cpu=cpu)
+        if hasattr(nodes, "init_extra_nodes"):
+            params = inspect.signature(nodes.init_extra_nodes).parameters
+            result = nodes.init_extra_nodes(**{k: False for k in ("init_custom_nodes", "init_api_nodes")
+                                               if k in params})
+            if inspect.isawaitable(result):
+                asyncio.run(result)
+        else:
+            nodes.init_custom_nodes()
+    _state.update(root=root, settings=settings)
     return root
+
+
+def import_core(device: str, require_flux: bool = True) -> Path:
+    """For the DiT and GPU benchmarks: ComfyUI's core modules (``$COMFYUI_PATH``, else the current tree
+    ``.comfyui-current``) on ``device`` ("cpu" or "cuda") with PyTorch SDPA; on CUDA in high-VRAM mode, so
+    the weights stay on the GPU between interleaved runs. Imports neither ComfyUI's nodes.py nor anything
+    it pulls in (PyAV, the API nodes). A missing tree, or one without Flux where ``require_flux``, ends
+    the program with the reason."""
+    try:
+        root = comfy_root(default=CURRENT_TREE)
+    except RuntimeError as missing:
+        raise SystemExit(str(missing))
+    if require_flux and not has_flux(root):
+        raise SystemExit(f"no ComfyUI with Flux at {root}: set COMFYUI_PATH (tests/setup_current.sh makes one)")
+    return import_comfy(root, pytorch_attention=True, cpu=device == "cpu", highvram=device == "cuda",
+                        extra_nodes=False)
 
 
 def load_pack():
@@ -107,7 +143,8 @@ def load_pack():
     Never import the pack's ``nodes/`` as top-level ``nodes``: that name is ComfyUI's ``nodes.py``.
     ComfyUI is imported first (import_comfy with defaults unless already done) because the pack is
     ComfyUI glue. Note: ``comfyui_toma.toma_core`` and a plain ``import toma_core`` are two separate
-    module objects (different class identities); tests of nodes should use ``pack.toma_core``.
+    module objects (different class identities); tests of nodes should use ``pack.toma_core``. The
+    harness is not part of the pack: it is ``toma_bench`` only (see toma_bench/__init__.py).
     """
     if PACK_NAME in sys.modules:
         return sys.modules[PACK_NAME]

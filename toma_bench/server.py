@@ -29,7 +29,7 @@ from pathlib import Path
 
 import websocket  # websocket-client
 
-import comfy_host
+from . import comfy_host
 
 TESTING_NODES = Path(__file__).resolve().parent / "testing_nodes"
 TESTING_NODES_DIRNAME = "ComfyUI-ToMA-testing"

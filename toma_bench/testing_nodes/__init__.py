@@ -1,4 +1,5 @@
-"""Test-only ComfyUI nodes (installed next to the pack by tests/server.py; never shipped to users).
+"""Test-only ComfyUI nodes (installed next to the pack by toma_bench/server.py for the server tests and the
+main job; never shipped to users).
 
 Random-weight checkpoints carry no text encoder, so ``CLIPTextEncode`` cannot run on them.
 ``ToMATestConditioning`` stands in for it: seeded random CONDITIONING as wide as the model's

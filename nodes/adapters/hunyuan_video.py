@@ -1,0 +1,145 @@
+"""Adapter for HunyuanVideo (1.0: text-to-video, image-to-video v1 concat / v2 replace / custom
+reference, SkyReels) and the models ComfyUI builds from the same class (HunyuanImage 2.1 and its
+refiner): double blocks and single blocks merge their video tokens (nodes/adapters/dit.py says how).
+
+Layout: HunyuanVideo is Flux's architecture with the video first. The image stream of a double block
+and the joint sequence of a single block are [lead, video, txt]; ``pe`` (B, 1, L, ...) and the text
+mask ``attention_mask`` (1, 1, L) (one key row for every query) follow the same order. ``lead``: the
+tokens of a reference latent (image-to-video "custom": prepended to the video) and, for image-to-video
+v2, the first latent frame; they are never merged. Text is never merged.
+
+Image-to-video v2 ("replace", ``guiding_frame_index``): the first latent frame is the input image and its
+tokens get another modulation vector, given as ranges over the sequence (``modulation_dims_img``,
+``modulation_dims``: [(0, first frame, 0), (first frame, None, 1)]). The first frame stays unmerged, so
+no merged token mixes the two modulations, and the ranges are moved onto the merged sequence (a
+boundary after the video moves back by the tokens merging removed). A range boundary inside the video
+grid (another node's layout) leaves the block unmerged, with a message. The first frame being the
+clean input image, keeping it whole also keeps every frame's attention to it exact.
+
+Which blocks: HunyuanVideo's 20 double and 40 single blocks are Flux's two groups, so the paper's Flux
+fractions apply (SKIP_FRACTION: the first 5 double and 5 single blocks never merge).
+
+Token grid: the DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (B, C, T, H, W)
+(or (B, C, H, W) for HunyuanImage 2.1), the reference latent and ``guiding_frame_index``; the video of
+T latent frames patched by (1, 2, 2) is a T x ceil(H/2) x ceil(W/2) grid (the patch embedding pads).
+"""
+import math
+
+import torch
+
+from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, layout_wrapper,
+                  patch_blocks, patched_side, sequence_index, take_rows, take_sequence)
+
+FAMILY = "HunyuanVideo"
+MODULATION_KEYS = ("modulation_dims_img", "modulation_dims")  # double block, single block
+
+
+def supports(model) -> bool:
+    try:
+        from comfy.ldm.hunyuan_video.model import HunyuanVideo
+    except ImportError:  # the March-2024 tree
+        return False
+    dm = getattr(model.model, "diffusion_model", None)
+    return isinstance(dm, HunyuanVideo) and hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks")
+
+
+def latent_grid(latent, patch) -> tuple[int, ...]:
+    """Tokens along each axis of a latent (B, C, T, H, W) or (B, C, H, W) padded to ``patch``."""
+    return tuple(patched_side(side, p) for side, p in zip(latent.shape[2:], patch))
+
+
+class HunyuanLayoutStash(LayoutStash):
+    """The video grid of a HunyuanVideo call: reference-latent tokens and, for image-to-video v2, the
+    first latent frame lead; the rest of the video merges."""
+
+    def layout(self, call: dict) -> ImageLayout | None:
+        x, patch = call.get("x"), list(self.patch)
+        if not torch.is_tensor(x) or x.dim() != len(patch) + 2:
+            return None
+        if x.dim() == 4:  # HunyuanImage 2.1: an image
+            h, w = latent_grid(x, patch)
+            return ImageLayout(h, w)
+        frames, h, w = latent_grid(x, patch)
+        ref = call.get("ref_latent")
+        lead = 0 if ref is None else math.prod(latent_grid(ref, patch))
+        if call.get("guiding_frame_index") is not None:
+            lead, frames = lead + h * w, frames - 1
+        return ImageLayout(h, w, frames=frames, lead=lead) if frames > 0 else None
+
+
+def ranges_fit(ranges, start: int, tokens: int) -> bool:
+    """Whether no boundary of the modulation ``ranges`` [(begin, end or None, vector)] falls inside the
+    grid [start, start + tokens) (a boundary at either edge is fine)."""
+    return all(b is None or b <= start or b >= start + tokens for r in ranges for b in r[:2])
+
+
+def merged_ranges(ranges, start: int, tokens: int, merged: int):
+    """``ranges`` moved onto the merged sequence, where the grid's ``tokens`` tokens from ``start`` on
+    are ``merged`` tokens (ranges_fit must hold)."""
+    def at(b):
+        return b if b is None or b <= start else b - (tokens - merged)
+    return [(at(begin), at(end), vector) for begin, end, vector in ranges]
+
+
+class HunyuanVideoPatch(DiTPatch):
+    """Double and single block patches for the [lead, video, txt] layout."""
+
+    def fits(self, args: dict, key: str, txt_len: int, layout: ImageLayout) -> bool:
+        """Whether pe, the mask and the modulation ranges cover exactly [lead, video, txt] with no range
+        boundary inside the video (another patch may have changed them)."""
+        full = layout.total + txt_len
+        pe, mask, ranges = args.get("pe"), args.get("attention_mask"), args.get(key)
+        if pe is not None and (pe.dim() < 3 or pe.shape[2] != full):
+            return False
+        if mask is not None and (mask.shape[-1] != full or mask.dim() < 2 or mask.shape[-2] not in (1, full)):
+            return False
+        if ranges is not None and not ranges_fit(ranges, layout.lead, layout.tokens):
+            self.runtime.notice("%s: modulation ranges %s split the video grid; those blocks run unmerged",
+                                FAMILY, ranges)
+            return False
+        return True
+
+    def double_block(self, args: dict, extras: dict) -> dict:
+        """Image stream [lead, video] (B, R + N, C) merged; text stream (B, L, C) whole."""
+        run, img, txt = extras["original_block"], args["img"], args["txt"]
+        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
+        if (layout is None or img.shape[1] != layout.total
+                or not self.fits(args, "modulation_dims_img", txt.shape[1], layout)):
+            return run(args)
+        return self.merged_call("double", args, run, layout.lead, txt.shape[1], layout)
+
+    def single_block(self, args: dict, extras: dict) -> dict:
+        """Joint sequence [lead, video, txt] (B, R + N + L, C): the video merged, the rest whole."""
+        run, x = extras["original_block"], args["img"]
+        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
+        txt_len = -1 if layout is None else x.shape[1] - layout.total
+        if txt_len < 0 or not self.fits(args, "modulation_dims", txt_len, layout):
+            return run(args)
+        return self.merged_call("single", args, run, layout.lead, txt_len, layout)
+
+    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan) -> dict:
+        """pe rows and mask columns of the destinations; modulation ranges moved onto the merged sequence."""
+        full = layout.total + txt_len
+        pe, mask = args.get("pe"), args.get("attention_mask")
+        out = {key: merged_ranges(args[key], layout.lead, layout.tokens, plan.num_merged)
+               for key in MODULATION_KEYS if args.get(key) is not None}
+        if pe is None and mask is None:
+            return out
+        destinations = plan.destination_tokens().to((pe if pe is not None else mask).device)
+        index = sequence_index(layout.lead, layout.tokens, full, destinations)
+        if pe is not None:
+            out["pe"] = take_rows(pe, index, 2)
+        if mask is not None:
+            out["attention_mask"] = take_sequence(take_rows(mask, index, -1), index, -2, full)
+        return out
+
+
+def patch(model, runtime, levels=None, scope=None):
+    """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
+    dm = model.model.diffusion_model
+    blocks = HunyuanVideoPatch(runtime)
+    groups = [BlockGroup("double_block", "double", len(dm.double_blocks), blocks.double_block, SKIP_FRACTION["double"]),
+              BlockGroup("single_block", "single", len(dm.single_blocks), blocks.single_block, SKIP_FRACTION["single"])]
+    stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model,
+                           HunyuanLayoutStash)
+    return patch_blocks(model, runtime, FAMILY, groups, stash)

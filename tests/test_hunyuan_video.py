@@ -1,0 +1,347 @@
+"""ToMA on HunyuanVideo: a random-weight model built from ComfyUI's own classes, sampled through ComfyUI's
+sampler (text-to-video, image-to-video v2 with its first-frame modulation, a "custom" reference latent,
+a text mask, LoRA), and the block patch checked row by row with a spy in place of the block.
+
+Latents are tiny: 12x12 (a 6x6 token grid) and 14x22 (7x11: odd and non-square), 1, 5 and 9 latent
+frames (HunyuanVideo's 1, 17 and 33 video frames).
+"""
+import copy
+import logging
+
+import pytest
+import torch
+
+from toma_bench import comfy_host, models
+from toma_bench.metrics import relative_l2
+
+pytestmark = [pytest.mark.comfy,
+              pytest.mark.skipif(not comfy_host.has_current_comfy(),
+                                 reason="HunyuanVideo exists only in current ComfyUI (set COMFYUI_PATH, e.g. to "
+                                        "the .comfyui-current made by tests/setup_current.sh)")]
+
+SIZES = {"square": (12, 12), "odd": (14, 22)}  # latent H x W; tokens ceil(H/2) x ceil(W/2)
+CONFIG = models.HUNYUAN_VIDEO_TINY
+
+
+@pytest.fixture(scope="module")
+def model(pack):
+    """Built once; tests only ever patch clones of it."""
+    return models.build_hunyuan_video(seed=1)
+
+
+def tokens_of(size):
+    return tuple(-(-side // 2) for side in SIZES[size])
+
+
+def sample(model, frames=5, size="odd", batch=1, tokens=77, steps=2, cfg=1.0, seed=0, first_frame=None,
+           text_mask=None, **extra):
+    """comfy.sample.sample on a zero latent, or with ``first_frame`` (B, 16, 1, H, W) as the first latent
+    frame kept by a noise mask (image-to-video v2 with ``guiding_frame_index=0``)."""
+    import comfy.sample
+
+    positive, negative = models.video_conditioning("hunyuan_video", CONFIG, batch, tokens, seed, text_mask, **extra)
+    latent = torch.zeros(batch, 16, frames, *SIZES[size])
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    mask = None
+    if first_frame is not None:
+        latent[:, :, :1] = first_frame
+        mask = torch.ones(1, 1, frames, *SIZES[size])
+        mask[:, :, 0] = 0.0
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                               seed=seed, disable_pbar=True, noise_mask=mask)
+
+
+def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=None):
+    """(model patched by the ToMA node, its runtime); ``temporal_window``: the Advanced node's frames per
+    window (None: the ToMA node, whose windows span its default 2 frames)."""
+    nodes = pack.nodes.toma_nodes
+    if temporal_window is None:
+        (patched,) = nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
+    else:
+        (patched,) = nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse, temporal_window=temporal_window)
+    return patched, pack.nodes.runtime.runtime_of(patched)
+
+
+def image_latent(size, seed=3):
+    """A smooth first frame (1, 16, 1, H, W), the kind an image encodes to."""
+    return models.structured_latent(1, *SIZES[size], seed=seed, channels=16)[:, :, None]
+
+
+def test_node_patches_a_clone_and_leaves_the_input_alone(pack, model):
+    merged = pack.nodes.adapters.dit.merged_blocks
+    dm = model.model.diffusion_model
+    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
+    before = sample(model)
+    patched, _ = toma_patched(pack, model)
+    assert patched is not model
+    taken = patched.model_options["transformer_options"]["patches_replace"]["dit"]
+    assert set(taken) == ({("double_block", i) for i in merged(len(dm.double_blocks), "double")}
+                          | {("single_block", i) for i in merged(len(dm.single_blocks), "single")})
+    assert set(taken) == {("double_block", 1), ("single_block", 0), ("single_block", 1), ("single_block", 2)}
+    assert patched.get_wrappers("diffusion_model", "comfyui_toma")
+    assert not model.get_wrappers("diffusion_model", "comfyui_toma")
+    sample(patched)
+    assert model.model_options == before_options and model.wrappers == before_wrappers
+    assert torch.equal(sample(model), before)
+
+
+def test_ratio_zero_is_identical_to_unpatched(pack, model):
+    nodes = pack.nodes.toma_nodes
+    reference = sample(model, batch=2)
+    for node in (nodes.ToMAPatchModel().patch(model, 0.0, 4, 5)[0],
+                 nodes.ToMAPatchModelAdvanced().patch(model, 0.0, 4, 5, scope="block", levels="all")[0]):
+        assert torch.equal(sample(node, batch=2), reference)
+
+
+# every pair of (latent frames, size, batch size, text length) values occurs at least once: 6 runs, not 24
+PAIRWISE = [(1, "square", 1, 77), (1, "odd", 2, 512), (5, "square", 2, 512), (5, "odd", 1, 77),
+            (9, "square", 1, 512), (9, "odd", 2, 77)]
+
+
+@pytest.mark.parametrize("frames,size,batch,tokens", PAIRWISE)
+def test_half_ratio_merges_the_video_grid(pack, model, frames, size, batch, tokens):
+    """Ratio 0.5 changes the output by less than 10% (2 steps of a random model; 2.3-2.6% measured) and
+    merges half of every frames x h x w grid in both block groups; stats name and count the video grid."""
+    patched, runtime = toma_patched(pack, model)
+    out = sample(patched, frames, size, batch, tokens)
+    reference = sample(model, frames, size, batch, tokens)
+    assert out.shape == reference.shape and torch.isfinite(out).all()
+    assert 0.0 < relative_l2(out, reference) < 0.1
+    h, w = tokens_of(size)
+    levels = runtime.summary()["levels"]
+    assert sorted(levels) == [f"double {frames}x{h}x{w}", f"single {frames}x{h}x{w}"]
+    for stats in levels.values():
+        assert stats["tokens"] == frames * h * w and stats["steps"] == 2
+        # half of each window's real tokens survive (rounding per edge window)
+        assert abs(stats["merged_tokens"] - frames * h * w / 2) <= frames * h * w / 16
+
+
+# variant -> sampling inputs. The image-to-video modes run one row without CFG, as their workflows do:
+# ComfyUI's HunyuanVideo serves them for one row per model call only (v2 adds the guidance embedding and
+# its per-range modulation for one row, a reference latent's positions are written into a broadcast view).
+VARIANTS = {
+    "text-to-video": {"batch": 2, "cfg": 2.0},
+    "image-to-video v2": {"first_frame": image_latent("odd"), "guiding_frame_index": 0},
+    "reference latent": {"ref_latent": image_latent("odd", seed=4)},
+}
+
+
+@pytest.mark.parametrize("temporal_window", [1, 2])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, variant, temporal_window):
+    """Windows of 2 x 2 tokens (over 1 or 2 frames) at ratio 0.05 keep every token of a window as a
+    destination: merging only permutes the video tokens (window-major). Attention does not care about
+    order as long as each token keeps its own RoPE row and its own modulation, so the output matches the
+    unpatched model: this checks the pe gather, the unmerge order, batch rows and CFG batches, and for
+    image-to-video v2 that the first frame's tokens still get their own modulation vector (they lead the
+    merged sequence unmerged and the modulation ranges are moved onto it), for a reference latent that
+    its tokens keep their rows."""
+    inputs = VARIANTS[variant]
+    patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
+    out = sample(patched, **inputs)
+    assert relative_l2(out, sample(model, **inputs)) < 1e-5
+    frames = 4 if "first_frame" in inputs else 5  # image-to-video v2: the first frame leads unmerged
+    assert sorted(runtime.summary()["levels"]) == [f"double {frames}x7x11", f"single {frames}x7x11"]
+
+
+def test_image_to_video_keeps_the_first_frame_unmerged(pack, model):
+    """Image-to-video v2 at ratio 0.5: only the 4 generated latent frames merge, the first (the input
+    image, with its own modulation) stays whole; the output is finite and keeps the input frame."""
+    first = image_latent("odd")
+    patched, runtime = toma_patched(pack, model)
+    out = sample(patched, first_frame=first, guiding_frame_index=0)
+    reference = sample(model, first_frame=first, guiding_frame_index=0)
+    assert torch.isfinite(out).all() and 0.0 < relative_l2(out, reference) < 0.1
+    assert torch.allclose(out[:, :, 0], reference[:, :, 0])
+    levels = runtime.summary()["levels"]
+    assert {k: v["tokens"] for k, v in levels.items()} == {"double 4x7x11": 308, "single 4x7x11": 308}
+
+
+def test_merge_map_draws_the_first_frame_of_the_video_grid(pack, model):
+    """Plans are recorded on the video grid (frames, h, w); the merge map draws its first latent frame
+    over the latent's h x w, for both block groups."""
+    patched, runtime = toma_patched(pack, model)
+    samples = sample(patched)
+    mm = pack.nodes.merge_map
+    assert mm.level_names(runtime) == ["double 5x7x11", "single 5x7x11"]
+    for level, name in enumerate(mm.level_names(runtime)):
+        record = runtime.records[name][-1]
+        assert (record.frames, record.h, record.w) == (5, 7, 11) and record.groups.numel() == 385
+        image, = mm.ToMAMergeMap().draw(patched, {"samples": samples}, level, -1)
+        assert image.shape == (1, 8 * 14, 8 * 22, 3) and torch.isfinite(image).all()
+
+
+def test_text_mask_columns_follow_the_merged_sequence(pack, model):
+    """A text mask (the last 30 of 77 text tokens masked, batch 1 as ComfyUI's HunyuanVideo takes it)
+    reaches the blocks as one key row (1, 1, L) over [video, text]: cut to the merged sequence, the run
+    that merges into every token (windows of 2 frames x 2 x 2, ratio 0.05) still matches the unpatched
+    model, and ratio 0.5 runs."""
+    mask = torch.ones(1, 77, dtype=torch.long)
+    mask[:, 47:] = 0
+    exact, _ = toma_patched(pack, model, ratio=0.05, window=2)
+    reference = sample(model, text_mask=mask)
+    assert relative_l2(sample(exact, text_mask=mask), reference) < 1e-5
+    assert not torch.equal(reference, sample(model))  # the mask matters
+    half, _ = toma_patched(pack, model)
+    assert torch.isfinite(sample(half, text_mask=mask)).all()
+
+
+def test_lora_on_a_patched_clone_still_applies(pack, model):
+    """A weight patch added after the ToMA node (as LoraLoader does) on a block that merges changes the
+    output exactly as on the unpatched model (windows of 2 frames x 2 x 2 at ratio 0.05: merging only
+    permutes)."""
+    key = "diffusion_model.single_blocks.1.linear1.weight"
+    weight = model.model.state_dict()[key]
+    diff = 0.5 * weight.abs().max() * torch.rand(weight.shape, generator=torch.Generator().manual_seed(5))
+    toma, _ = toma_patched(pack, model, ratio=0.05, window=2)
+    with_lora, plain_lora = toma.clone(), model.clone()
+    assert set(with_lora.add_patches({key: (diff,)})) == {key} == set(plain_lora.add_patches({key: (diff,)}))
+    out = sample(with_lora)
+    assert not torch.equal(out, sample(toma))
+    assert relative_l2(out, sample(plain_lora)) < 1e-5
+
+
+def _block_call(pack, model, frames, h, w, txt_len, lead_frames, batch=2):
+    """Inputs of one HunyuanVideo block call built the way HunyuanVideo builds them: pe from
+    (frame, row, col) ids of the video then zeros for the text, a text mask as one key row, and
+    image-to-video v2 modulation ranges when the first ``lead_frames`` frame leads unmerged."""
+    dit = pack.nodes.adapters.dit
+    dm = model.model.diffusion_model
+    g = torch.Generator().manual_seed(6)
+    t, r, c = torch.meshgrid(torch.arange(frames), torch.arange(h), torch.arange(w), indexing="ij")
+    ids = torch.cat([torch.stack([t, r, c], -1).view(-1, 3).float(), torch.zeros(txt_len, 3)])
+    n_img, C = frames * h * w, dm.hidden_size
+    L = n_img + txt_len
+    lead = lead_frames * h * w
+    layout = dit.ImageLayout(h, w, frames=frames - lead_frames, lead=lead)
+    args = {"img": torch.randn(batch, n_img, C, generator=g), "txt": torch.randn(batch, txt_len, C, generator=g),
+            "vec": torch.randn(batch, 2, C, generator=g), "pe": dm.pe_embedder(ids[None].expand(batch, -1, -1)),
+            "attention_mask": torch.arange(L, dtype=torch.float32).view(1, 1, L),
+            "modulation_dims_img": [(0, h * w, 0), (h * w, None, 1)],
+            "modulation_dims_txt": [(0, None, 1)],
+            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+    return args, lambda rows: dm.pe_embedder(ids[rows][None])[0, 0]
+
+
+@pytest.mark.parametrize("block", ["double", "single"])
+def test_merged_block_call_gets_destination_rows_and_moved_ranges(pack, model, block):
+    """A spy in place of the block sees: the first frame's rows (image-to-video v2) untouched and in
+    front, each merged video token with the RoPE of its destination's (frame, row, col), text rows
+    untouched, the mask's key columns cut to the same rows, modulation ranges moved onto the merged
+    sequence; the patch returns full-length tokens with the block's update unmerged onto every token."""
+    hv = pack.nodes.adapters.hunyuan_video
+    frames, h, w, txt_len = 3, 3, 4, 5
+    args, rope_of = _block_call(pack, model, frames, h, w, txt_len, lead_frames=1)
+    lead, n_video = h * w, (frames - 1) * h * w
+    # ranges after the video move back: use one that ends at the video's end and one over the text
+    key = "modulation_dims_img" if block == "double" else "modulation_dims"
+    args[key] = [(0, lead, 0), (lead, lead + n_video, 1), (lead + n_video, None, 1)]
+    _, runtime = toma_patched(pack, model)
+    patch, seen = hv.HunyuanVideoPatch(runtime), {}
+
+    def spy(inputs):
+        seen.update(inputs)
+        out = {"img": inputs["img"] + 1.0}
+        if block == "double":
+            out["txt"] = inputs["txt"]
+        return out
+
+    if block == "double":
+        out = patch.double_block(dict(args), {"original_block": spy})
+        image_in = args["img"]
+    else:
+        joint = torch.cat([args["img"], args["txt"]], 1)
+        single = {k: v for k, v in args.items() if k not in ("txt", "modulation_dims_img", "modulation_dims_txt")}
+        out = patch.single_block({**single, "img": joint}, {"original_block": spy})
+        image_in = joint
+    (plan,) = runtime.plans.values()
+    destinations = plan.destination_tokens()
+    n = destinations.shape[1]
+    assert n < n_video and seen["img"].shape[1] == image_in.shape[1] - (n_video - n)
+    assert seen[key] == [(0, lead, 0), (lead, lead + n, 1), (lead + n, None, 1)]
+    pe, L = seen["pe"], lead + n_video + txt_len
+    for b in range(2):
+        video_rows = lead + destinations[b]
+        assert torch.equal(pe[b, 0, :lead], rope_of(torch.arange(lead)))
+        assert torch.allclose(pe[b, 0, lead:lead + n], rope_of(video_rows))
+        assert torch.equal(pe[b, 0, lead + n:], rope_of(torch.arange(lead + n_video, L)))
+        kept = torch.cat([torch.arange(lead), video_rows, torch.arange(lead + n_video, L)])
+        assert torch.equal(seen["attention_mask"][b, 0], kept.float())
+    assert out["img"].shape == image_in.shape
+    # rows of U sum to 1: a +1 update on merged tokens is +1 on every video token; the rest get +1 as is
+    assert torch.allclose(out["img"], image_in + 1.0, atol=1e-5)
+
+
+def test_a_modulation_range_inside_the_video_leaves_the_block_unmerged(pack, model, caplog):
+    hv = pack.nodes.adapters.hunyuan_video
+    args, _ = _block_call(pack, model, 3, 3, 4, 5, lead_frames=1)
+    args["modulation_dims_img"] = [(0, 20, 0), (20, None, 1)]  # 20: inside the video after 12 lead tokens
+    _, runtime = toma_patched(pack, model)
+    seen = {}
+
+    def spy(inputs):
+        seen.update(inputs)
+        return {"img": inputs["img"], "txt": inputs["txt"]}
+
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        hv.HunyuanVideoPatch(runtime).double_block(dict(args), {"original_block": spy})
+    assert seen["img"] is args["img"] and not runtime.plans
+    assert "split the video grid" in caplog.text
+
+
+def test_hunyuan_image_latents_merge_as_an_image(pack):
+    """HunyuanImage 2.1 is the same class on image latents (B, C, H, W) with a 2-D patch: the grid is
+    h x w, and merging into every token (window 2, ratio 0.05) matches the unpatched model."""
+    import comfy.sample
+
+    config = dict(CONFIG, patch_size=[1, 1], axes_dim=[8, 8], vec_in_dim=None, guidance_embed=False)
+    image_model = models.build_hunyuan_video(seed=7, config=config, image=True)
+    positive, negative = models.video_conditioning("hunyuan_video", config, 1, 77, 0)
+    noise = torch.randn(1, 16, 7, 9, generator=torch.Generator().manual_seed(0))
+
+    def run(m):
+        return comfy.sample.sample(m, noise, 2, 1.0, "euler", "simple", positive, negative, torch.zeros(1, 16, 7, 9),
+                                   seed=0, disable_pbar=True)
+
+    patched, runtime = toma_patched(pack, image_model, ratio=0.05, window=2)
+    assert relative_l2(run(patched), run(image_model)) < 1e-5
+    assert sorted(runtime.summary()["levels"]) == ["double 7x9", "single 7x9"]
+
+
+@pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
+def test_unet_baselines_leave_hunyuan_video_unpatched(pack, model, node, caplog):
+    before = copy.deepcopy(model.model_options)
+    cls = pack.nodes.toma_nodes.NODE_CLASS_MAPPINGS[node]
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        out = cls().patch(model, 0.5)[0] if node == "ToMeSDPatchModel" else cls().patch(model, 0.7)[0]
+    assert out is model and model.model_options == before
+    assert "UNet baseline" in caplog.text
+
+
+def test_a_model_without_the_latent_wrapper_comes_back_unpatched(pack, caplog):
+    """A HunyuanVideo whose forward runs no DIFFUSION_MODEL executor (older ComfyUI) gives the blocks no
+    video grid: the node returns it unpatched and says why."""
+    bare = models.build_hunyuan_video(seed=8)
+    bare.model.diffusion_model._forward = None
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        out = pack.nodes.toma_nodes.ToMAPatchModel().patch(bare, 0.5, 4, 5)[0]
+    assert out is bare
+    assert "no model wrapper" in caplog.text
+
+
+def test_real_latent_with_tiny_width(pack):
+    """A real latent size, 17 frames of 512x320 (5 x 40 x 64 latent -> 5 x 20 x 32 tokens), one step,
+    tiny widths: every block group merges half of the grid, windows padded at the grid's edges."""
+    import comfy.sample
+
+    config = dict(CONFIG, hidden_size=32, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[4, 6, 6])
+    small = models.build_hunyuan_video(seed=9, config=config)
+    patched, runtime = toma_patched(pack, small)
+    positive, negative = models.video_conditioning("hunyuan_video", config, 1, 77, 0)
+    noise = torch.randn(1, 16, 5, 40, 64, generator=torch.Generator().manual_seed(0))
+    out = comfy.sample.sample(patched, noise, 1, 1.0, "euler", "simple", positive, negative, torch.zeros(noise.shape),
+                              seed=0, disable_pbar=True)
+    assert out.shape == noise.shape and torch.isfinite(out).all()
+    levels = runtime.summary()["levels"]
+    assert sorted(levels) == ["double 5x20x32", "single 5x20x32"]
+    assert all(v["tokens"] == 3200 and abs(v["merged_tokens"] - 1600) <= 100 for v in levels.values())

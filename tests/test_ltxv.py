@@ -1,0 +1,259 @@
+"""ToMA on LTX-Video: a random-weight model built from ComfyUI's own classes, sampled through ComfyUI's
+sampler (text-to-video, image-to-video through a noise mask, keyframe guides, LoRA), and the block patch
+checked row by row with a spy in place of the block.
+
+Latents are tiny: 8x8 and 7x11 (odd and non-square; patch size 1, so as many tokens), 1, 5 and 9 latent
+frames (LTX-Video's 1, 33 and 65 video frames). Text: 128 tokens (the shortest LTX-Video's T5 tokenizer
+gives) and 512.
+"""
+import copy
+import logging
+
+import pytest
+import torch
+
+from toma_bench import comfy_host, models
+from toma_bench.metrics import relative_l2
+
+pytestmark = [pytest.mark.comfy,
+              pytest.mark.skipif(not comfy_host.has_current_comfy(),
+                                 reason="LTX-Video exists only in current ComfyUI (set COMFYUI_PATH, e.g. to the "
+                                        ".comfyui-current made by tests/setup_current.sh)")]
+
+SIZES = {"square": (8, 8), "odd": (7, 11)}  # latent H x W = tokens
+CONFIG = models.LTXV_TINY
+CHANNELS = CONFIG["in_channels"]
+
+
+@pytest.fixture(scope="module")
+def model(pack):
+    """Built once; tests only ever patch clones of it."""
+    return models.build_ltxv(seed=1)
+
+
+def sample(model, frames=5, size="odd", batch=1, tokens=128, steps=2, cfg=1.0, seed=0, first_frame=None,
+           guide=None, **extra):
+    """comfy.sample.sample on a zero latent. ``first_frame`` (1, C, 1, H, W): image-to-video as
+    LTXVImgToVideo sets it up (the first latent frame replaced, a noise mask of 0 over it). ``guide``
+    (1, C, 1, H, W): a keyframe guide as LTXVAddGuide appends it (one more latent frame, mask 0, its
+    pixel positions in ``keyframe_idxs`` naming video frame 8)."""
+    import comfy.sample
+
+    h, w = SIZES[size]
+    latent = torch.zeros(batch, CHANNELS, frames, h, w)
+    mask = None
+    if first_frame is not None:
+        latent[:, :, :1] = first_frame
+        mask = torch.ones(batch, 1, frames, 1, 1)
+        mask[:, :, 0] = 0.0
+    if guide is not None:
+        from comfy.ldm.lightricks.symmetric_patchifier import SymmetricPatchifier, latent_to_pixel_coords
+
+        latent = torch.cat([latent, guide.expand(batch, -1, -1, -1, -1)], 2)
+        mask = torch.cat([torch.ones(batch, 1, frames, 1, 1) if mask is None else mask,
+                          torch.zeros(batch, 1, 1, 1, 1)], 2)
+        coords = latent_to_pixel_coords(SymmetricPatchifier(1).patchify(guide)[1], (8, 32, 32))
+        coords[:, 0] += 8
+        extra["keyframe_idxs"] = coords
+    positive, negative = models.video_conditioning("ltxv", CONFIG, batch, tokens, seed, **extra)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                               seed=seed, disable_pbar=True, noise_mask=mask)
+
+
+def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=None):
+    """(model patched by the ToMA node, its runtime); ``temporal_window``: the Advanced node's frames per
+    window (None: the ToMA node, whose windows span its default 2 frames)."""
+    nodes = pack.nodes.toma_nodes
+    if temporal_window is None:
+        (patched,) = nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
+    else:
+        (patched,) = nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse, temporal_window=temporal_window)
+    return patched, pack.nodes.runtime.runtime_of(patched)
+
+
+def image_latent(size, seed=3):
+    """A smooth latent frame (1, C, 1, H, W), the kind an image encodes to."""
+    return models.structured_latent(1, *SIZES[size], seed=seed, channels=CHANNELS)[:, :, None]
+
+
+def test_node_patches_a_clone_and_leaves_the_input_alone(pack, model):
+    depth = len(model.model.diffusion_model.transformer_blocks)
+    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
+    before = sample(model)
+    patched, _ = toma_patched(pack, model)
+    assert patched is not model
+    taken = patched.model_options["transformer_options"]["patches_replace"]["dit"]
+    assert set(taken) == {("double_block", i) for i in pack.nodes.adapters.dit.merged_blocks(depth, "single")}
+    assert set(taken) == {("double_block", 1), ("double_block", 2), ("double_block", 3)}
+    assert patched.get_wrappers("diffusion_model", "comfyui_toma")
+    assert not model.get_wrappers("diffusion_model", "comfyui_toma")
+    sample(patched)
+    assert model.model_options == before_options and model.wrappers == before_wrappers
+    assert torch.equal(sample(model), before)
+
+
+def test_ratio_zero_is_identical_to_unpatched(pack, model):
+    nodes = pack.nodes.toma_nodes
+    reference = sample(model, batch=2)
+    for node in (nodes.ToMAPatchModel().patch(model, 0.0, 4, 5)[0],
+                 nodes.ToMAPatchModelAdvanced().patch(model, 0.0, 4, 5, scope="block", levels="all")[0]):
+        assert torch.equal(sample(node, batch=2), reference)
+
+
+# every pair of (latent frames, size, batch size, text length) values occurs at least once: 6 runs, not 24
+PAIRWISE = [(1, "square", 1, 128), (1, "odd", 2, 512), (5, "square", 2, 512), (5, "odd", 1, 128),
+            (9, "square", 1, 512), (9, "odd", 2, 128)]
+
+
+@pytest.mark.parametrize("frames,size,batch,tokens", PAIRWISE)
+def test_half_ratio_merges_the_video_grid(pack, model, frames, size, batch, tokens):
+    """Ratio 0.5 changes the output by less than 10% (2 steps of a random model; 2-2.5% measured) and
+    merges half of every frames x h x w grid; stats name and count the video grid."""
+    patched, runtime = toma_patched(pack, model)
+    out = sample(patched, frames, size, batch, tokens)
+    reference = sample(model, frames, size, batch, tokens)
+    assert out.shape == reference.shape and torch.isfinite(out).all()
+    assert 0.0 < relative_l2(out, reference) < 0.1
+    h, w = SIZES[size]
+    levels = runtime.summary()["levels"]
+    assert list(levels) == [f"video {frames}x{h}x{w}"]
+    stats = levels[f"video {frames}x{h}x{w}"]
+    assert stats["tokens"] == frames * h * w and stats["steps"] == 2
+    # half of each window's real tokens survive (rounding per edge window)
+    assert abs(stats["merged_tokens"] - frames * h * w / 2) <= frames * h * w / 16
+
+
+VARIANTS = {
+    "text-to-video": {},
+    "image-to-video": {"first_frame": image_latent("odd")},
+    "keyframe guide": {"guide": image_latent("odd", seed=4)},
+}
+
+
+@pytest.mark.parametrize("temporal_window", [1, 2])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, variant, temporal_window):
+    """Windows of 2 x 2 tokens (over 1 or 2 frames) at ratio 0.05 keep every token of a window as a
+    destination: merging only permutes the video tokens (window-major). Attention does not care about
+    order as long as each token keeps its own RoPE row and its own timestep, so the output matches the
+    unpatched model: this checks the pe gather, the unmerge order, batch rows and CFG batches, and with
+    a noise mask (image-to-video, guides) the per-token modulation rows; a guide's tokens keep their own
+    positions after the video."""
+    inputs = VARIANTS[variant]
+    patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
+    out = sample(patched, batch=2, cfg=2.0, **inputs)
+    assert relative_l2(out, sample(model, batch=2, cfg=2.0, **inputs)) < 1e-5
+    # the noise mask gives per-token timesteps: the first frame then leads unmerged
+    frames = 5 if variant == "text-to-video" else 4
+    assert list(runtime.summary()["levels"]) == [f"video {frames}x7x11"]
+
+
+@pytest.mark.parametrize("variant", ["image-to-video", "keyframe guide"])
+def test_conditioned_frames_stay_unmerged(pack, model, variant):
+    """At ratio 0.5 the first latent frame (per-token timesteps) and the guide frame stay whole: only
+    the other frames' grid merges; the output is finite and keeps the conditioning frame."""
+    inputs = VARIANTS[variant]
+    patched, runtime = toma_patched(pack, model)
+    out = sample(patched, **inputs)
+    reference = sample(model, **inputs)
+    assert torch.isfinite(out).all() and 0.0 < relative_l2(out, reference) < 0.1
+    kept = 0 if variant == "image-to-video" else -1
+    assert torch.allclose(out[:, :, kept], reference[:, :, kept])
+    assert {k: v["tokens"] for k, v in runtime.summary()["levels"].items()} == {"video 4x7x11": 308}
+
+
+def test_lora_on_a_patched_clone_still_applies(pack, model):
+    """A weight patch added after the ToMA node (as LoraLoader does) on a block that merges changes the
+    output exactly as on the unpatched model (windows of 2 frames x 2 x 2 at ratio 0.05: merging only
+    permutes)."""
+    key = "diffusion_model.transformer_blocks.2.attn1.to_v.weight"
+    weight = model.model.state_dict()[key]
+    diff = 0.5 * weight.abs().max() * torch.rand(weight.shape, generator=torch.Generator().manual_seed(5))
+    toma, _ = toma_patched(pack, model, ratio=0.05, window=2)
+    with_lora, plain_lora = toma.clone(), model.clone()
+    assert set(with_lora.add_patches({key: (diff,)})) == {key} == set(plain_lora.add_patches({key: (diff,)}))
+    out = sample(with_lora)
+    assert not torch.equal(out, sample(toma))
+    assert relative_l2(out, sample(plain_lora)) < 1e-5
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_merged_block_call_gets_destination_rows(pack, model, per_token):
+    """A spy in place of the block sees: each merged video token with the RoPE rows (cos and sin) of its
+    destination, the first frame's rows (per-token timesteps) and the guide rows untouched, per-token
+    modulation rows gathered the same way (a shared one passed as is), the text and its cross-attention
+    mask untouched; the patch returns full-length tokens with the block's update on every token."""
+    dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
+    frames, h, w, guide, batch = 3, 3, 4, 12, 2
+    lead = h * w if per_token else 0
+    layout = dit.ImageLayout(h, w, guide, frames - lead // (h * w), lead)
+    N, C = frames * h * w + guide, model.model.diffusion_model.inner_dim
+    g = torch.Generator().manual_seed(6)
+    rows = torch.arange(N, dtype=torch.float32)
+    vec = rows.view(1, N, 1).expand(batch, N, 6 * C) if per_token else torch.randn(batch, 1, 6 * C, generator=g)
+    args = {"img": torch.randn(batch, N, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
+            "attention_mask": torch.zeros(batch, 1, 1, 9), "vec": vec,
+            "pe": (rows.view(1, N, 1).expand(batch, N, C), -rows.view(1, N, 1).expand(batch, N, C)),
+            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+    _, runtime = toma_patched(pack, model)
+    seen = {}
+
+    def spy(inputs):
+        seen.update(inputs)
+        return {"img": inputs["img"] + 1.0}
+
+    out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": spy})
+    (plan,) = runtime.plans.values()
+    destinations = plan.destination_tokens()
+    n_video, n = layout.tokens, destinations.shape[1]
+    assert n < n_video and seen["img"].shape[1] == N - (n_video - n)
+    assert seen["txt"] is args["txt"] and seen["attention_mask"] is args["attention_mask"]
+    for b in range(batch):
+        kept = torch.cat([torch.arange(lead), lead + destinations[b], torch.arange(lead + n_video, N)]).float()
+        assert torch.equal(seen["pe"][0][b, :, 0], kept) and torch.equal(seen["pe"][1][b, :, 0], -kept)
+        if per_token:
+            assert torch.equal(seen["vec"][b, :, 0], kept)
+    if not per_token:
+        assert seen["vec"] is vec
+    # rows of U sum to 1: a +1 update on merged tokens is +1 on every video token; the rest get +1 as is
+    assert torch.allclose(out["img"], args["img"] + 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
+def test_unet_baselines_leave_ltxv_unpatched(pack, model, node, caplog):
+    before = copy.deepcopy(model.model_options)
+    cls = pack.nodes.toma_nodes.NODE_CLASS_MAPPINGS[node]
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        out = cls().patch(model, 0.5)[0] if node == "ToMeSDPatchModel" else cls().patch(model, 0.7)[0]
+    assert out is model and model.model_options == before
+    assert "UNet baseline" in caplog.text
+
+
+def test_a_model_without_the_latent_wrapper_comes_back_unpatched(pack, caplog):
+    """An LTX-Video whose forward runs no DIFFUSION_MODEL executor (older ComfyUI) gives the blocks no
+    video grid: the node returns it unpatched and says why."""
+    bare = models.build_ltxv(seed=8)
+    bare.model.diffusion_model._forward = None
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        out = pack.nodes.toma_nodes.ToMAPatchModel().patch(bare, 0.5, 4, 5)[0]
+    assert out is bare
+    assert "no model wrapper" in caplog.text
+
+
+def test_real_latent_with_tiny_width(pack):
+    """LTX-Video's own example size, 97 frames of 768x512 (a 13 x 16 x 24 latent, as many tokens), one
+    step, tiny widths: half of the grid merges, windows padded at the last frame."""
+    import comfy.sample
+
+    config = dict(CONFIG, cross_attention_dim=32, attention_head_dim=16, num_attention_heads=2, num_layers=1)
+    small = models.build_ltxv(seed=9, config=config)
+    patched, runtime = toma_patched(pack, small)
+    positive, negative = models.video_conditioning("ltxv", config, 1, 128, 0)
+    noise = torch.randn(1, CHANNELS, 13, 16, 24, generator=torch.Generator().manual_seed(0))
+    out = comfy.sample.sample(patched, noise, 1, 1.0, "euler", "simple", positive, negative, torch.zeros(noise.shape),
+                              seed=0, disable_pbar=True)
+    assert out.shape == noise.shape and torch.isfinite(out).all()
+    (stats,) = runtime.summary()["levels"].values()
+    assert list(runtime.summary()["levels"]) == ["video 13x16x24"]
+    assert stats["tokens"] == 4992 and abs(stats["merged_tokens"] - 2496) <= 100

@@ -1,0 +1,44 @@
+"""Sampling through ComfyUI's own sampler (``comfy.sample.sample``), the one way tests and benchmarks run
+a MODEL. ComfyUI must already be imported (comfy_host.import_comfy)."""
+import contextlib
+import random
+
+import torch
+
+
+def seeded_noise(shape, seed: int) -> torch.Tensor:
+    """The initial noise for ``seed``: the numbers ComfyUI's KSampler node draws for that seed."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@contextlib.contextmanager
+def seeded_global_rngs(seed: int):
+    """Python's and torch's global RNGs seeded with ``seed`` inside the block and restored after it:
+    ComfyUI's TomePatchModel and HyperTile draw from them, so two runs draw alike."""
+    python_state = random.getstate()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            random.seed(seed)
+            torch.manual_seed(seed)
+            yield
+    finally:
+        random.setstate(python_state)
+
+
+def sample(model, conditioning, latent: torch.Tensor, *, steps: int, cfg: float = 1.0, sampler: str = "euler",
+           scheduler: str = "normal", denoise: float = 1.0, seed: int = 0, noise: torch.Tensor | None = None,
+           global_rngs: bool = False, **options) -> torch.Tensor:
+    """``latent`` sampled by ``model`` without a progress bar; the sampled latent.
+
+    ``conditioning``: (positive, negative), as models.conditioning returns them. ``noise``: seeded_noise
+    of ``seed`` unless given. ``global_rngs``: sample inside seeded_global_rngs(seed). ``options`` go on to
+    comfy.sample.sample (``callback``, ...).
+    """
+    import comfy.sample
+
+    positive, negative = conditioning
+    noise = seeded_noise(latent.shape, seed) if noise is None else noise
+    with seeded_global_rngs(seed) if global_rngs else contextlib.nullcontext():
+        return comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
+                                   denoise=denoise, seed=seed, disable_pbar=True, **options)
