@@ -88,11 +88,6 @@ def patched_side(pixels: int, patch: int) -> int:
     return -(-int(pixels) // patch)
 
 
-def merged_blocks(depth: int, group: str) -> range:
-    """Indices of the blocks of a group of ``depth`` blocks that merge (the first ones never do)."""
-    return range(int(depth * SKIP_FRACTION[group] + 0.5), depth)
-
-
 def take_rows(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
     """Per batch row, the rows ``index`` of ``t`` along ``dim``.
 
