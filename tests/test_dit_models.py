@@ -4,16 +4,11 @@ Latents are 1/4 of the real sizes (1024x1024 -> 32x32, 832x1216 -> 26x38, and an
 token grid no window of 4 divides) to keep CPU time small; one test runs the real 128x128 latent of a
 1024x1024 image with a tiny-width model for one step.
 """
-import copy
-import logging
-
 import pytest
 import torch
 
-from toma_bench import comfy_host, models, sampling
-from toma_bench.metrics import relative_l2
-
-
+from toma_bench import comfy_host, dit_checks, models, sampling
+from toma_bench.dit_checks import toma_patched
 
 pytestmark = [pytest.mark.comfy,
               pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
@@ -34,46 +29,25 @@ def sample(model, arch, hw, batch=1, tokens=77, steps=2, cfg=1.0, seed=0, refere
                            scheduler="simple", seed=seed)
 
 
-def toma_patched(pack, model, ratio=0.5, window=4, reuse=5):
-    """(model patched by the ToMA node, its runtime)."""
-    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
-    return patched, pack.nodes.runtime.runtime_of(patched)
-
-
-def dit_patches(model) -> dict:
-    return model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-
-
 def expected_blocks(pack, arch, model) -> set:
-    dm, merged = model.model.diffusion_model, pack.nodes.adapters.dit.merged_blocks
+    dm = model.model.diffusion_model
     if arch == "flux":
-        return ({("double_block", i) for i in merged(len(dm.double_blocks), "double")}
-                | {("single_block", i) for i in merged(len(dm.single_blocks), "single")})
-    return {("double_block", i) for i in merged(len(dm.joint_blocks), "double")}
+        return (dit_checks.merged_keys(pack, "double_block", len(dm.double_blocks), "double")
+                | dit_checks.merged_keys(pack, "single_block", len(dm.single_blocks), "single"))
+    return dit_checks.merged_keys(pack, "double_block", len(dm.joint_blocks), "double")
 
 
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
 def test_node_patches_a_clone_and_leaves_the_input_alone(pack, built, arch):
     model = built[arch]
-    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
-    before = sample(model, arch, SIZES["odd"])
-    patched = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
-    assert patched is not model
-    assert set(dit_patches(patched)) == expected_blocks(pack, arch, model)
-    where = "diffusion_model" if arch == "flux" else "apply_model"
-    assert patched.get_wrappers(where, "comfyui_toma") and not model.get_wrappers(where, "comfyui_toma")
-    sample(patched, arch, SIZES["odd"])
-    assert model.model_options == before_options and model.wrappers == before_wrappers
-    assert torch.equal(sample(model, arch, SIZES["odd"]), before)
+    dit_checks.check_input_model_unchanged(pack, model, lambda m: sample(m, arch, SIZES["odd"]),
+                                           expected_blocks(pack, arch, model),
+                                           where="diffusion_model" if arch == "flux" else "apply_model")
 
 
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
 def test_ratio_zero_is_identical_to_unpatched(pack, built, arch):
-    nodes = pack.nodes.toma_nodes
-    reference = sample(built[arch], arch, SIZES["odd"], batch=2)
-    for node in (nodes.ToMAPatchModel().patch(built[arch], 0.0, 4, 5)[0],
-                 nodes.ToMAPatchModelAdvanced().patch(built[arch], 0.0, 4, 5, scope="block", levels="all")[0]):
-        assert torch.equal(sample(node, arch, SIZES["odd"], batch=2), reference)
+    dit_checks.check_ratio_zero_identical(pack, built[arch], lambda m: sample(m, arch, SIZES["odd"], batch=2))
 
 
 # every pair of (size, batch size, text length) values occurs once: 6 runs instead of the 12 of a full grid
@@ -85,19 +59,10 @@ PAIRWISE = [("1024x1024", 1, 77), ("1024x1024", 2, 256), ("832x1216", 1, 256), (
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
 def test_half_ratio_merges_every_group(pack, built, arch, size, batch, tokens):
     model, hw = built[arch], SIZES[size]
-    patched, runtime = toma_patched(pack, model)
-    out = sample(patched, arch, hw, batch, tokens)
-    reference = sample(model, arch, hw, batch, tokens)
-    assert out.shape == reference.shape and torch.isfinite(out).all()
-    assert 0.0 < relative_l2(out, reference) < 0.25
     h, w = -(-hw[0] // 2), -(-hw[1] // 2)
-    levels = runtime.summary()["levels"]
     groups = ["double", "single"] if arch == "flux" else ["double"]
-    assert sorted(levels) == sorted(f"{g} {h}x{w}" for g in groups)
-    for stats in levels.values():
-        assert stats["tokens"] == h * w and stats["steps"] == 2
-        # half of each window's real tokens survive (rounding per edge window)
-        assert abs(stats["merged_tokens"] - h * w / 2) <= h * w / 16
+    dit_checks.check_half_ratio_merges(toma_patched(pack, model), model, lambda m: sample(m, arch, hw, batch, tokens),
+                                       [f"{g} {h}x{w}" for g in groups], h * w, bound=0.25)
 
 
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
@@ -108,8 +73,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, built, ar
     the unmerge order, batch rows and CFG batches together."""
     model = built[arch]
     patched, runtime = toma_patched(pack, model, ratio=0.1, window=2)
-    out = sample(patched, arch, SIZES["odd"], batch=2, cfg=2.0)
-    assert relative_l2(out, sample(model, arch, SIZES["odd"], batch=2, cfg=2.0)) < 1e-5
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, arch, SIZES["odd"], batch=2, cfg=2.0))
     assert all(s["steps"] == 2 for s in runtime.summary()["levels"].values()) and runtime.summary()["levels"]
 
 
@@ -119,8 +83,7 @@ def test_kontext_reference_tokens_stay_unmerged(pack, built):
     model = built["flux"]
     reference = models.structured_latent(1, 20, 14, seed=3, channels=16)
     exact, _ = toma_patched(pack, model, ratio=0.1, window=2)
-    out = sample(exact, "flux", SIZES["odd"], reference=reference)
-    assert relative_l2(out, sample(model, "flux", SIZES["odd"], reference=reference)) < 1e-5
+    dit_checks.check_merging_only_permutes(exact, model, lambda m: sample(m, "flux", SIZES["odd"], reference=reference))
     half_patched, half = toma_patched(pack, model)
     out = sample(half_patched, "flux", SIZES["odd"], reference=reference)
     assert torch.isfinite(out).all()
@@ -160,14 +123,7 @@ def test_merged_block_call_gets_destination_positions(pack, built, block):
     args, rope_of = _flux_call(pack, model, h, w, txt_len, extra_hw=(2, 3))
     _, runtime = toma_patched(pack, model, ratio=0.5, window=4)
     patch, seen = dit.DiTPatch(runtime), {}
-
-    def spy(inputs):
-        seen.update(inputs)
-        out = {"img": inputs["img"] + 1.0}
-        if block == "double":
-            out["txt"] = inputs["txt"]
-        return out
-
+    spy = dit_checks.spy(seen, passes=("txt",) if block == "double" else ())
     if block == "double":
         out = patch.double_block(dict(args), {"original_block": spy})
         image_in = args["img"]
@@ -190,8 +146,8 @@ def test_merged_block_call_gets_destination_positions(pack, built, block):
         kept = torch.cat([torch.arange(txt_len), image_rows, torch.arange(txt_len + h * w, txt_len + h * w + 6)])
         assert torch.equal(seen["attn_mask"][b], args["attn_mask"][0][kept][:, kept])
     assert out["img"].shape == image_in.shape
-    # rows of U sum to 1: a +1 update on merged tokens is +1 on every image token, text/Kontext get +1 as is
-    assert torch.allclose(out["img"][:, offset:], image_in[:, offset:] + 1.0, atol=1e-5)
+    # a +1 update on merged tokens is +1 on every image token, Kontext gets +1 as is
+    dit_checks.check_update_on_every_token(out["img"][:, offset:], image_in[:, offset:])
 
 
 def test_sd3_last_block_returns_no_text(pack, built):
@@ -220,24 +176,14 @@ def test_sd3_last_block_returns_no_text(pack, built):
 
 @pytest.mark.parametrize("arch", ["flux", "sd3"])
 def test_no_state_leaks_between_runs(pack, built, arch):
-    model = built[arch]
-    patched, runtime = toma_patched(pack, model)
-    first = sample(patched, arch, SIZES["odd"])
-    sample(patched, arch, SIZES["1024x1024"], batch=2, tokens=256, seed=7)
-    assert torch.equal(sample(patched, arch, SIZES["odd"]), first)
-    assert {key[1] for key in runtime.plans} == {(14, 20)}  # plan keys: (group, grid, batch layout)
-    assert pack.nodes.adapters.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
+    patched, runtime = toma_patched(pack, built[arch])
+    dit_checks.check_no_state_leak(pack, patched, runtime, lambda m: sample(m, arch, SIZES["odd"]),
+                                   lambda m: sample(m, arch, SIZES["1024x1024"], batch=2, tokens=256, seed=7), (14, 20))
 
 
 @pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
 def test_unet_baselines_leave_dits_unpatched(pack, built, node, caplog):
-    model = built["flux"]
-    before = copy.deepcopy(model.model_options)
-    cls = pack.nodes.toma_nodes.NODE_CLASS_MAPPINGS[node]
-    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
-        out = cls().patch(model, 0.5)[0] if node == "ToMeSDPatchModel" else cls().patch(model, 0.7)[0]
-    assert out is model and model.model_options == before
-    assert "UNet baseline" in caplog.text
+    dit_checks.check_unet_baseline_leaves_unpatched(pack, built["flux"], node, caplog)
 
 
 @pytest.mark.parametrize("arch", ["flux", "sd3"])

@@ -5,13 +5,13 @@ a text mask, LoRA), and the block patch checked row by row with a spy in place o
 Latents are tiny: 12x12 (a 6x6 token grid) and 14x22 (7x11: odd and non-square), 1, 5 and 9 latent
 frames (HunyuanVideo's 1, 17 and 33 video frames).
 """
-import copy
 import logging
 
 import pytest
 import torch
 
-from toma_bench import comfy_host, models
+from toma_bench import comfy_host, dit_checks, models
+from toma_bench.dit_checks import toma_patched
 from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy,
@@ -51,46 +51,21 @@ def sample(model, frames=5, size="odd", batch=1, tokens=77, steps=2, cfg=1.0, se
                                seed=seed, disable_pbar=True, noise_mask=mask)
 
 
-def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=None):
-    """(model patched by the ToMA node, its runtime); ``temporal_window``: the Advanced node's frames per
-    window (None: the ToMA node, whose windows span its default 2 frames)."""
-    nodes = pack.nodes.toma_nodes
-    if temporal_window is None:
-        (patched,) = nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
-    else:
-        (patched,) = nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse, temporal_window=temporal_window)
-    return patched, pack.nodes.runtime.runtime_of(patched)
-
-
 def image_latent(size, seed=3):
     """A smooth first frame (1, 16, 1, H, W), the kind an image encodes to."""
     return models.structured_latent(1, *SIZES[size], seed=seed, channels=16)[:, :, None]
 
 
 def test_node_patches_a_clone_and_leaves_the_input_alone(pack, model):
-    merged = pack.nodes.adapters.dit.merged_blocks
     dm = model.model.diffusion_model
-    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
-    before = sample(model)
-    patched, _ = toma_patched(pack, model)
-    assert patched is not model
-    taken = patched.model_options["transformer_options"]["patches_replace"]["dit"]
-    assert set(taken) == ({("double_block", i) for i in merged(len(dm.double_blocks), "double")}
-                          | {("single_block", i) for i in merged(len(dm.single_blocks), "single")})
-    assert set(taken) == {("double_block", 1), ("single_block", 0), ("single_block", 1), ("single_block", 2)}
-    assert patched.get_wrappers("diffusion_model", "comfyui_toma")
-    assert not model.get_wrappers("diffusion_model", "comfyui_toma")
-    sample(patched)
-    assert model.model_options == before_options and model.wrappers == before_wrappers
-    assert torch.equal(sample(model), before)
+    expected = {("double_block", 1), ("single_block", 0), ("single_block", 1), ("single_block", 2)}
+    assert expected == (dit_checks.merged_keys(pack, "double_block", len(dm.double_blocks), "double")
+                        | dit_checks.merged_keys(pack, "single_block", len(dm.single_blocks), "single"))
+    dit_checks.check_input_model_unchanged(pack, model, sample, expected)
 
 
 def test_ratio_zero_is_identical_to_unpatched(pack, model):
-    nodes = pack.nodes.toma_nodes
-    reference = sample(model, batch=2)
-    for node in (nodes.ToMAPatchModel().patch(model, 0.0, 4, 5)[0],
-                 nodes.ToMAPatchModelAdvanced().patch(model, 0.0, 4, 5, scope="block", levels="all")[0]):
-        assert torch.equal(sample(node, batch=2), reference)
+    dit_checks.check_ratio_zero_identical(pack, model, lambda m: sample(m, batch=2))
 
 
 # every pair of (latent frames, size, batch size, text length) values occurs at least once: 6 runs, not 24
@@ -102,18 +77,10 @@ PAIRWISE = [(1, "square", 1, 77), (1, "odd", 2, 512), (5, "square", 2, 512), (5,
 def test_half_ratio_merges_the_video_grid(pack, model, frames, size, batch, tokens):
     """Ratio 0.5 changes the output by less than 10% (2 steps of a random model; 2.3-2.6% measured) and
     merges half of every frames x h x w grid in both block groups; stats name and count the video grid."""
-    patched, runtime = toma_patched(pack, model)
-    out = sample(patched, frames, size, batch, tokens)
-    reference = sample(model, frames, size, batch, tokens)
-    assert out.shape == reference.shape and torch.isfinite(out).all()
-    assert 0.0 < relative_l2(out, reference) < 0.1
     h, w = tokens_of(size)
-    levels = runtime.summary()["levels"]
-    assert sorted(levels) == [f"double {frames}x{h}x{w}", f"single {frames}x{h}x{w}"]
-    for stats in levels.values():
-        assert stats["tokens"] == frames * h * w and stats["steps"] == 2
-        # half of each window's real tokens survive (rounding per edge window)
-        assert abs(stats["merged_tokens"] - frames * h * w / 2) <= frames * h * w / 16
+    dit_checks.check_half_ratio_merges(toma_patched(pack, model), model,
+                                       lambda m: sample(m, frames, size, batch, tokens),
+                                       [f"double {frames}x{h}x{w}", f"single {frames}x{h}x{w}"], frames * h * w)
 
 
 # variant -> sampling inputs. The image-to-video modes run one row without CFG, as their workflows do:
@@ -138,8 +105,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, va
     its tokens keep their rows."""
     inputs = VARIANTS[variant]
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
-    out = sample(patched, **inputs)
-    assert relative_l2(out, sample(model, **inputs)) < 1e-5
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, **inputs))
     frames = 4 if "first_frame" in inputs else 5  # image-to-video v2: the first frame leads unmerged
     assert sorted(runtime.summary()["levels"]) == [f"double {frames}x7x11", f"single {frames}x7x11"]
 
@@ -179,9 +145,8 @@ def test_text_mask_columns_follow_the_merged_sequence(pack, model):
     mask = torch.ones(1, 77, dtype=torch.long)
     mask[:, 47:] = 0
     exact, _ = toma_patched(pack, model, ratio=0.05, window=2)
-    reference = sample(model, text_mask=mask)
-    assert relative_l2(sample(exact, text_mask=mask), reference) < 1e-5
-    assert not torch.equal(reference, sample(model))  # the mask matters
+    dit_checks.check_merging_only_permutes(exact, model, lambda m: sample(m, text_mask=mask))
+    assert not torch.equal(sample(model, text_mask=mask), sample(model))  # the mask matters
     half, _ = toma_patched(pack, model)
     assert torch.isfinite(sample(half, text_mask=mask)).all()
 
@@ -191,14 +156,8 @@ def test_lora_on_a_patched_clone_still_applies(pack, model):
     output exactly as on the unpatched model (windows of 2 frames x 2 x 2 at ratio 0.05: merging only
     permutes)."""
     key = "diffusion_model.single_blocks.1.linear1.weight"
-    weight = model.model.state_dict()[key]
-    diff = 0.5 * weight.abs().max() * torch.rand(weight.shape, generator=torch.Generator().manual_seed(5))
     toma, _ = toma_patched(pack, model, ratio=0.05, window=2)
-    with_lora, plain_lora = toma.clone(), model.clone()
-    assert set(with_lora.add_patches({key: (diff,)})) == {key} == set(plain_lora.add_patches({key: (diff,)}))
-    out = sample(with_lora)
-    assert not torch.equal(out, sample(toma))
-    assert relative_l2(out, sample(plain_lora)) < 1e-5
+    dit_checks.check_lora_applies(model, toma, sample, key, dit_checks.lora_diff(model, key, seed=5))
 
 
 def _block_call(pack, model, frames, h, w, txt_len, lead_frames, batch=2):
@@ -238,14 +197,7 @@ def test_merged_block_call_gets_destination_rows_and_moved_ranges(pack, model, b
     args[key] = [(0, lead, 0), (lead, lead + n_video, 1), (lead + n_video, None, 1)]
     _, runtime = toma_patched(pack, model)
     patch, seen = hv.HunyuanVideoPatch(runtime), {}
-
-    def spy(inputs):
-        seen.update(inputs)
-        out = {"img": inputs["img"] + 1.0}
-        if block == "double":
-            out["txt"] = inputs["txt"]
-        return out
-
+    spy = dit_checks.spy(seen, passes=("txt",) if block == "double" else ())
     if block == "double":
         out = patch.double_block(dict(args), {"original_block": spy})
         image_in = args["img"]
@@ -267,9 +219,8 @@ def test_merged_block_call_gets_destination_rows_and_moved_ranges(pack, model, b
         assert torch.equal(pe[b, 0, lead + n:], rope_of(torch.arange(lead + n_video, L)))
         kept = torch.cat([torch.arange(lead), video_rows, torch.arange(lead + n_video, L)])
         assert torch.equal(seen["attention_mask"][b, 0], kept.float())
-    assert out["img"].shape == image_in.shape
-    # rows of U sum to 1: a +1 update on merged tokens is +1 on every video token; the rest get +1 as is
-    assert torch.allclose(out["img"], image_in + 1.0, atol=1e-5)
+    # a +1 update on merged tokens is +1 on every video token; the rest get +1 as is
+    dit_checks.check_update_on_every_token(out["img"], image_in)
 
 
 def test_a_modulation_range_inside_the_video_leaves_the_block_unmerged(pack, model, caplog):
@@ -278,13 +229,8 @@ def test_a_modulation_range_inside_the_video_leaves_the_block_unmerged(pack, mod
     args["modulation_dims_img"] = [(0, 20, 0), (20, None, 1)]  # 20: inside the video after 12 lead tokens
     _, runtime = toma_patched(pack, model)
     seen = {}
-
-    def spy(inputs):
-        seen.update(inputs)
-        return {"img": inputs["img"], "txt": inputs["txt"]}
-
-    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
-        hv.HunyuanVideoPatch(runtime).double_block(dict(args), {"original_block": spy})
+    with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
+        hv.HunyuanVideoPatch(runtime).double_block(dict(args), {"original_block": dit_checks.spy(seen, None, ("txt",))})
     assert seen["img"] is args["img"] and not runtime.plans
     assert "split the video grid" in caplog.text
 
@@ -304,18 +250,13 @@ def test_hunyuan_image_latents_merge_as_an_image(pack):
                                    seed=0, disable_pbar=True)
 
     patched, runtime = toma_patched(pack, image_model, ratio=0.05, window=2)
-    assert relative_l2(run(patched), run(image_model)) < 1e-5
+    dit_checks.check_merging_only_permutes(patched, image_model, run)
     assert sorted(runtime.summary()["levels"]) == ["double 7x9", "single 7x9"]
 
 
 @pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
 def test_unet_baselines_leave_hunyuan_video_unpatched(pack, model, node, caplog):
-    before = copy.deepcopy(model.model_options)
-    cls = pack.nodes.toma_nodes.NODE_CLASS_MAPPINGS[node]
-    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
-        out = cls().patch(model, 0.5)[0] if node == "ToMeSDPatchModel" else cls().patch(model, 0.7)[0]
-    assert out is model and model.model_options == before
-    assert "UNet baseline" in caplog.text
+    dit_checks.check_unet_baseline_leaves_unpatched(pack, model, node, caplog)
 
 
 def test_a_model_without_the_latent_wrapper_comes_back_unpatched(pack, caplog):
@@ -323,10 +264,7 @@ def test_a_model_without_the_latent_wrapper_comes_back_unpatched(pack, caplog):
     video grid: the node returns it unpatched and says why."""
     bare = models.build_hunyuan_video(seed=8)
     bare.model.diffusion_model._forward = None
-    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
-        out = pack.nodes.toma_nodes.ToMAPatchModel().patch(bare, 0.5, 4, 5)[0]
-    assert out is bare
-    assert "no model wrapper" in caplog.text
+    dit_checks.check_comes_back_unpatched(pack, bare, caplog, "no model wrapper")
 
 
 def test_real_latent_with_tiny_width(pack):

@@ -6,13 +6,11 @@ Latents are tiny: 8x8 and 7x11 (odd and non-square; patch size 1, so as many tok
 frames (LTX-Video's 1, 33 and 65 video frames). Text: 128 tokens (the shortest LTX-Video's T5 tokenizer
 gives) and 512.
 """
-import copy
-import logging
-
 import pytest
 import torch
 
-from toma_bench import comfy_host, models
+from toma_bench import comfy_host, dit_checks, models
+from toma_bench.dit_checks import toma_patched
 from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy,
@@ -61,17 +59,6 @@ def sample(model, frames=5, size="odd", batch=1, tokens=128, steps=2, cfg=1.0, s
                                seed=seed, disable_pbar=True, noise_mask=mask)
 
 
-def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=None):
-    """(model patched by the ToMA node, its runtime); ``temporal_window``: the Advanced node's frames per
-    window (None: the ToMA node, whose windows span its default 2 frames)."""
-    nodes = pack.nodes.toma_nodes
-    if temporal_window is None:
-        (patched,) = nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
-    else:
-        (patched,) = nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse, temporal_window=temporal_window)
-    return patched, pack.nodes.runtime.runtime_of(patched)
-
-
 def image_latent(size, seed=3):
     """A smooth latent frame (1, C, 1, H, W), the kind an image encodes to."""
     return models.structured_latent(1, *SIZES[size], seed=seed, channels=CHANNELS)[:, :, None]
@@ -79,26 +66,13 @@ def image_latent(size, seed=3):
 
 def test_node_patches_a_clone_and_leaves_the_input_alone(pack, model):
     depth = len(model.model.diffusion_model.transformer_blocks)
-    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
-    before = sample(model)
-    patched, _ = toma_patched(pack, model)
-    assert patched is not model
-    taken = patched.model_options["transformer_options"]["patches_replace"]["dit"]
-    assert set(taken) == {("double_block", i) for i in pack.nodes.adapters.dit.merged_blocks(depth, "single")}
-    assert set(taken) == {("double_block", 1), ("double_block", 2), ("double_block", 3)}
-    assert patched.get_wrappers("diffusion_model", "comfyui_toma")
-    assert not model.get_wrappers("diffusion_model", "comfyui_toma")
-    sample(patched)
-    assert model.model_options == before_options and model.wrappers == before_wrappers
-    assert torch.equal(sample(model), before)
+    expected = {("double_block", 1), ("double_block", 2), ("double_block", 3)}
+    assert expected == dit_checks.merged_keys(pack, "double_block", depth, "single")
+    dit_checks.check_input_model_unchanged(pack, model, sample, expected)
 
 
 def test_ratio_zero_is_identical_to_unpatched(pack, model):
-    nodes = pack.nodes.toma_nodes
-    reference = sample(model, batch=2)
-    for node in (nodes.ToMAPatchModel().patch(model, 0.0, 4, 5)[0],
-                 nodes.ToMAPatchModelAdvanced().patch(model, 0.0, 4, 5, scope="block", levels="all")[0]):
-        assert torch.equal(sample(node, batch=2), reference)
+    dit_checks.check_ratio_zero_identical(pack, model, lambda m: sample(m, batch=2))
 
 
 # every pair of (latent frames, size, batch size, text length) values occurs at least once: 6 runs, not 24
@@ -110,18 +84,10 @@ PAIRWISE = [(1, "square", 1, 128), (1, "odd", 2, 512), (5, "square", 2, 512), (5
 def test_half_ratio_merges_the_video_grid(pack, model, frames, size, batch, tokens):
     """Ratio 0.5 changes the output by less than 10% (2 steps of a random model; 2-2.5% measured) and
     merges half of every frames x h x w grid; stats name and count the video grid."""
-    patched, runtime = toma_patched(pack, model)
-    out = sample(patched, frames, size, batch, tokens)
-    reference = sample(model, frames, size, batch, tokens)
-    assert out.shape == reference.shape and torch.isfinite(out).all()
-    assert 0.0 < relative_l2(out, reference) < 0.1
     h, w = SIZES[size]
-    levels = runtime.summary()["levels"]
-    assert list(levels) == [f"video {frames}x{h}x{w}"]
-    stats = levels[f"video {frames}x{h}x{w}"]
-    assert stats["tokens"] == frames * h * w and stats["steps"] == 2
-    # half of each window's real tokens survive (rounding per edge window)
-    assert abs(stats["merged_tokens"] - frames * h * w / 2) <= frames * h * w / 16
+    dit_checks.check_half_ratio_merges(toma_patched(pack, model), model,
+                                       lambda m: sample(m, frames, size, batch, tokens),
+                                       [f"video {frames}x{h}x{w}"], frames * h * w)
 
 
 VARIANTS = {
@@ -142,8 +108,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, va
     positions after the video."""
     inputs = VARIANTS[variant]
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
-    out = sample(patched, batch=2, cfg=2.0, **inputs)
-    assert relative_l2(out, sample(model, batch=2, cfg=2.0, **inputs)) < 1e-5
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, batch=2, cfg=2.0, **inputs))
     # the noise mask gives per-token timesteps: the first frame then leads unmerged
     frames = 5 if variant == "text-to-video" else 4
     assert list(runtime.summary()["levels"]) == [f"video {frames}x7x11"]
@@ -168,14 +133,8 @@ def test_lora_on_a_patched_clone_still_applies(pack, model):
     output exactly as on the unpatched model (windows of 2 frames x 2 x 2 at ratio 0.05: merging only
     permutes)."""
     key = "diffusion_model.transformer_blocks.2.attn1.to_v.weight"
-    weight = model.model.state_dict()[key]
-    diff = 0.5 * weight.abs().max() * torch.rand(weight.shape, generator=torch.Generator().manual_seed(5))
     toma, _ = toma_patched(pack, model, ratio=0.05, window=2)
-    with_lora, plain_lora = toma.clone(), model.clone()
-    assert set(with_lora.add_patches({key: (diff,)})) == {key} == set(plain_lora.add_patches({key: (diff,)}))
-    out = sample(with_lora)
-    assert not torch.equal(out, sample(toma))
-    assert relative_l2(out, sample(plain_lora)) < 1e-5
+    dit_checks.check_lora_applies(model, toma, sample, key, dit_checks.lora_diff(model, key, seed=5))
 
 
 @pytest.mark.parametrize("per_token", [False, True])
@@ -198,12 +157,7 @@ def test_merged_block_call_gets_destination_rows(pack, model, per_token):
             "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
     _, runtime = toma_patched(pack, model)
     seen = {}
-
-    def spy(inputs):
-        seen.update(inputs)
-        return {"img": inputs["img"] + 1.0}
-
-    out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": spy})
+    out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
     (plan,) = runtime.plans.values()
     destinations = plan.destination_tokens()
     n_video, n = layout.tokens, destinations.shape[1]
@@ -216,18 +170,13 @@ def test_merged_block_call_gets_destination_rows(pack, model, per_token):
             assert torch.equal(seen["vec"][b, :, 0], kept)
     if not per_token:
         assert seen["vec"] is vec
-    # rows of U sum to 1: a +1 update on merged tokens is +1 on every video token; the rest get +1 as is
-    assert torch.allclose(out["img"], args["img"] + 1.0, atol=1e-5)
+    # a +1 update on merged tokens is +1 on every video token; the rest get +1 as is
+    dit_checks.check_update_on_every_token(out["img"], args["img"])
 
 
 @pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
 def test_unet_baselines_leave_ltxv_unpatched(pack, model, node, caplog):
-    before = copy.deepcopy(model.model_options)
-    cls = pack.nodes.toma_nodes.NODE_CLASS_MAPPINGS[node]
-    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
-        out = cls().patch(model, 0.5)[0] if node == "ToMeSDPatchModel" else cls().patch(model, 0.7)[0]
-    assert out is model and model.model_options == before
-    assert "UNet baseline" in caplog.text
+    dit_checks.check_unet_baseline_leaves_unpatched(pack, model, node, caplog)
 
 
 def test_a_model_without_the_latent_wrapper_comes_back_unpatched(pack, caplog):
@@ -235,10 +184,7 @@ def test_a_model_without_the_latent_wrapper_comes_back_unpatched(pack, caplog):
     video grid: the node returns it unpatched and says why."""
     bare = models.build_ltxv(seed=8)
     bare.model.diffusion_model._forward = None
-    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
-        out = pack.nodes.toma_nodes.ToMAPatchModel().patch(bare, 0.5, 4, 5)[0]
-    assert out is bare
-    assert "no model wrapper" in caplog.text
+    dit_checks.check_comes_back_unpatched(pack, bare, caplog, "no model wrapper")
 
 
 def test_real_latent_with_tiny_width(pack):

@@ -4,14 +4,14 @@ sampled through ComfyUI's sampler.
 Latents are small video grids: 5 frames of 12x16 (6x8 tokens a frame), an odd 13x19 (7x10 tokens, no
 window of 4 divides it), and 1 and 9 frames; the real 480p aspect (60x104) runs once with one step.
 """
-import copy
+import functools
 import logging
 import types
 
 import pytest
 import torch
 
-from toma_bench import comfy_host, models, sampling
+from toma_bench import comfy_host, dit_checks, models, sampling
 from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy,
@@ -78,11 +78,8 @@ def sample(model, variant="t2v", frames=5, hw=SIZES["square"], batch=1, tokens=7
                            cfg=cfg, scheduler="simple", seed=seed, noise_mask=mask)
 
 
-def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, temporal_window=2, weights_interval=1):
-    """(model patched by the advanced ToMA node, its runtime)."""
-    (patched,) = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(
-        model, ratio, window, reuse, weights_interval=weights_interval, temporal_window=temporal_window)
-    return patched, pack.nodes.runtime.runtime_of(patched)
+# (model patched by the advanced ToMA node, its runtime)
+toma_patched = functools.partial(dit_checks.toma_patched, temporal_window=2, weights_interval=1)
 
 
 def token_grid(frames, hw, variant="t2v"):
@@ -95,23 +92,9 @@ def model_of(built, variant):
     return built["t2v" if variant == "phantom" else variant]
 
 
-def dit_patches(model) -> dict:
-    return model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-
-
 def test_node_patches_a_clone_and_leaves_the_input_alone(pack, built):
-    model = built["t2v"]
-    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
-    before = sample(model)
-    patched = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
-    assert patched is not model
     # 4 blocks: the first 5/38 (rounded) never merge, as Flux's first single blocks
-    assert set(dit_patches(patched)) == {("double_block", i) for i in (1, 2, 3)}
-    assert patched.get_wrappers("diffusion_model", "comfyui_toma")
-    assert not model.get_wrappers("diffusion_model", "comfyui_toma")
-    sample(patched)
-    assert model.model_options == before_options and model.wrappers == before_wrappers
-    assert torch.equal(sample(model), before)
+    dit_checks.check_input_model_unchanged(pack, built["t2v"], sample, {("double_block", i) for i in (1, 2, 3)})
 
 
 @pytest.mark.parametrize("depth,first", [(30, 4), (40, 5), (4, 1)])
@@ -123,11 +106,8 @@ def test_first_blocks_skipped_scale_with_depth(pack, depth, first):
 
 
 def test_ratio_zero_is_identical_to_unpatched(pack, built):
-    nodes = pack.nodes.toma_nodes
-    reference = sample(built["t2v"], hw=SIZES["odd"], batch=2, cfg=2.0)
-    for node in (nodes.ToMAPatchModel().patch(built["t2v"], 0.0, 4, 5)[0],
-                 nodes.ToMAPatchModelAdvanced().patch(built["t2v"], 0.0, 4, 5, temporal_window=2)[0]):
-        assert torch.equal(sample(node, hw=SIZES["odd"], batch=2, cfg=2.0), reference)
+    dit_checks.check_ratio_zero_identical(pack, built["t2v"], lambda m: sample(m, hw=SIZES["odd"], batch=2, cfg=2.0),
+                                          advanced={"temporal_window": 2})
 
 
 # every pair of (frames, size, batch, text length) values occurs at least once: 6 runs, not 24
@@ -138,20 +118,12 @@ PAIRWISE = [(1, "square", 1, 77), (1, "odd", 2, 512), (5, "square", 2, 512), (5,
 @pytest.mark.parametrize("frames,size,batch,tokens", PAIRWISE)
 def test_half_ratio_merges_the_video_grid(pack, built, frames, size, batch, tokens):
     model, hw = built["t2v"], SIZES[size]
-    patched, runtime = toma_patched(pack, model)
-    out = sample(patched, frames=frames, hw=hw, batch=batch, tokens=tokens)
-    reference = sample(model, frames=frames, hw=hw, batch=batch, tokens=tokens)
-    assert out.shape == reference.shape and torch.isfinite(out).all()
+    t, h, w = token_grid(frames, hw)
     # 3 of 4 blocks run on half the tokens: a visible change, far from noise (relative L2 of 1); measured
     # 0.017-0.020 on every size, frame count and temporal window
-    assert 0.0 < relative_l2(out, reference) < 0.1
-    t, h, w = token_grid(frames, hw)
-    levels = runtime.summary()["levels"]
-    assert list(levels) == [f"video {t}x{h}x{w}"]
-    stats = levels[f"video {t}x{h}x{w}"]
-    assert stats["tokens"] == t * h * w and stats["steps"] == 2
-    # half of each window's real tokens survive (rounding per edge window)
-    assert abs(stats["merged_tokens"] - t * h * w / 2) <= t * h * w / 16
+    dit_checks.check_half_ratio_merges(toma_patched(pack, model), model,
+                                       lambda m: sample(m, frames=frames, hw=hw, batch=batch, tokens=tokens),
+                                       [f"video {t}x{h}x{w}"], t * h * w)
 
 
 @pytest.mark.parametrize("temporal_window", [1, 2])
@@ -166,8 +138,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, built, va
     model = model_of(built, variant)
     frames = 5 if variant != "ti2v" else 4
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
-    out = sample(patched, variant, frames=frames, batch=2, cfg=2.0)
-    assert relative_l2(out, sample(model, variant, frames=frames, batch=2, cfg=2.0)) < 1e-5
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, variant, frames=frames, batch=2, cfg=2.0))
     levels = runtime.summary()["levels"]
     t, h, w = token_grid(frames, SIZES["square"], variant)
     assert levels == {f"video {t}x{h}x{w}": {"tokens": t * h * w, "merged_tokens": t * h * w, "steps": 2}}
@@ -230,12 +201,7 @@ def test_merged_block_call_gets_destination_rows(pack, built, temporal_window):
     args, wan = _wan_call(pack, model, layout)
     _, runtime = toma_patched(pack, model, temporal_window=temporal_window)
     seen = {}
-
-    def spy(inputs):
-        seen.update(inputs)
-        return {"img": inputs["img"] + 1.0}
-
-    out = wan.WanPatch(runtime).block(dict(args), {"original_block": spy})
+    out = wan.WanPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
     (plan,) = runtime.plans.values()
     destinations = plan.destination_tokens()  # (B, N') raster index in the 3 x 4 x 5 grid
     n, p = destinations.shape[1], layout.lead
@@ -249,9 +215,8 @@ def test_merged_block_call_gets_destination_rows(pack, built, temporal_window):
         assert torch.equal(seen["img"][b, :p], args["img"][b, :p])
         assert torch.equal(seen["img"][b, p + n:], args["img"][b, p + 60:])
     assert plan.grid.frames == 3 and plan.grid.tile_frames == temporal_window
-    # rows of U sum to 1: a +1 update on merged tokens is +1 on every video token
-    assert out["img"].shape == args["img"].shape
-    assert torch.allclose(out["img"], args["img"] + 1.0, atol=1e-5)
+    # a +1 update on merged tokens is +1 on every video token
+    dit_checks.check_update_on_every_token(out["img"], args["img"])
 
 
 def test_per_sample_modulation_passes_unchanged(pack, built):
@@ -261,12 +226,7 @@ def test_per_sample_modulation_passes_unchanged(pack, built):
     args, wan = _wan_call(pack, model, layout, per_frame_modulation=False)
     _, runtime = toma_patched(pack, model)
     seen = {}
-
-    def spy(inputs):
-        seen.update(inputs)
-        return {"img": inputs["img"]}
-
-    wan.WanPatch(runtime).block(dict(args), {"original_block": spy})
+    wan.WanPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen, add=None)})
     assert seen["vec"] is args["vec"] and seen["img"].shape[1] < args["img"].shape[1]
 
 
@@ -274,30 +234,18 @@ def test_lora_on_a_patched_clone_still_applies(pack, built):
     model = built["t2v"]
     key = "diffusion_model.blocks.2.self_attn.v.weight"  # a merged block
     toma, runtime = toma_patched(pack, model)
-    plain = sample(toma)
-    lora = toma.clone()  # as LoraLoader does after the ToMA node
-    weight = model.model.state_dict()[key]
-    diff = 0.5 * weight.abs().max() * (2 * torch.rand(weight.shape, generator=torch.Generator().manual_seed(7)) - 1)
-    assert set(lora.add_patches({key: (diff,)})) == {key}
-    with_lora = sample(lora)
-    assert torch.isfinite(with_lora).all() and not torch.equal(with_lora, plain)
+    diff = dit_checks.lora_diff(model, key, seed=7, signed=True)
+    dit_checks.check_lora_applies(model, toma, sample, key, diff, exact=False)  # ratio 0.5: not a permutation
     assert runtime.summary()["levels"]["video 5x6x8"]["merged_tokens"] < 5 * 6 * 8
-    assert torch.equal(sample(toma), plain)  # weights restored
 
 
 def test_no_state_leaks_between_runs(pack, built):
     """A run never reuses the plans of the run before it: same output after a run on another grid, and
     the first plan of each run has destinations of its own."""
-    model = built["t2v"]
-    patched, runtime = toma_patched(pack, model)
-    first = sample(patched)
-    first_destinations = runtime.records["video 5x6x8"][0].plan.destinations
-    sample(patched, frames=9, hw=SIZES["odd"], batch=2, tokens=512, seed=7)
-    assert torch.equal(sample(patched), first)
-    again = runtime.records["video 5x6x8"][0].plan.destinations
-    assert again is not first_destinations and torch.equal(again, first_destinations)
-    assert {key[1] for key in runtime.plans} == {(5, 6, 8)}
-    assert pack.nodes.adapters.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
+    patched, runtime = toma_patched(pack, built["t2v"])
+    dit_checks.check_no_state_leak(pack, patched, runtime, sample,
+                                   lambda m: sample(m, frames=9, hw=SIZES["odd"], batch=2, tokens=512, seed=7), (5, 6, 8))
+    assert list(runtime.records) == ["video 5x6x8"]
 
 
 @pytest.mark.parametrize("reuse,new_destinations", [(5, [0]), (2, [0, 2])])
@@ -348,8 +296,5 @@ def test_real_480p_latent_with_tiny_width(pack):
 def test_unserved_variants_come_back_unpatched(pack, variant, why, caplog):
     model = models.build_wan(variant, seed=9)
     assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.wan
-    before = copy.deepcopy(model.model_options)
-    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
-        out = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
-    assert out is model and model.model_options == before
-    assert why in caplog.text and pack.nodes.adapters.wan.SERVED in caplog.text
+    dit_checks.check_comes_back_unpatched(pack, model, caplog, why)
+    assert pack.nodes.adapters.wan.SERVED in caplog.text

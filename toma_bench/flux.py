@@ -30,6 +30,7 @@ import time
 import torch
 
 from . import comfy_host, models, sampling
+from .cli import resolve_device
 from .metrics import relative_l2
 from .tables import format_cell, format_table
 
@@ -103,10 +104,7 @@ def parse_args(argv):
         ap.error("--steps must be >= 2 and --repeats >= 1")
     if not 1 <= args.window <= 32 or args.reuse < 1:
         ap.error("--window must be between 1 and 32 and --reuse >= 1")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: CUDA is not available")
+    args.device = resolve_device(ap, args.device)
     cuda = args.device == "cuda"
     try:
         args.latent = tuple(int(v) for v in (args.latent or ("128x128" if cuda else "64x64")).lower().split("x"))

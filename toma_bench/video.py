@@ -40,6 +40,7 @@ import time
 import torch
 
 from . import comfy_host, models, sampling
+from .cli import resolve_device
 from .metrics import relative_l2
 from .tables import format_cell, format_table
 
@@ -238,10 +239,7 @@ def parse_args(argv):
     ap.add_argument("--reuse", type=int, default=5, help="steps between destination recomputations (default 5)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: CUDA is not available")
+    args.device = resolve_device(ap, args.device)
     cuda = args.device == "cuda"
     try:
         args.sizes = parse_sizes(args.sizes or ("480p:9,480p:21,720p:21" if cuda else "480p:3,480p:9,720p:5"))

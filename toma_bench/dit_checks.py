@@ -1,0 +1,169 @@
+"""The checks every DiT family's tests make (Flux, SD3, HunyuanVideo, LTX-Video, Wan, and the next ones),
+written once: each family test calls them with its own model, its own ``sample`` and its expectations.
+
+``pack`` is the loaded node pack (the tests' ``pack`` fixture); ``sample`` is a callable that takes a
+MODEL and returns the sampled latent, the family's inputs bound in (``lambda m: sample(m, batch=2)``).
+ComfyUI must already be imported (comfy_host.import_comfy), as for sampling.
+"""
+import copy
+import logging
+
+import torch
+
+from .metrics import relative_l2
+
+WRAPPER = "comfyui_toma"  # the pack's wrapper key on a ModelPatcher
+LOGGER = "ComfyUI-ToMA"
+
+
+def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, **advanced):
+    """(``model`` patched by the ToMA node, its runtime); with ``advanced`` options (None values dropped),
+    by the Advanced node given them."""
+    nodes = pack.nodes.toma_nodes
+    advanced = {k: v for k, v in advanced.items() if v is not None}
+    if advanced:
+        (patched,) = nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse, **advanced)
+    else:
+        (patched,) = nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
+    return patched, pack.nodes.runtime.runtime_of(patched)
+
+
+def dit_patches(model) -> dict:
+    """The block replacements on ``model``: {(kind, index): patch}."""
+    return model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+
+
+def merged_keys(pack, key, depth, kind) -> set:
+    """{(key, i)} for the blocks of a group of ``depth`` blocks that merge (dit.merged_blocks)."""
+    return {(key, i) for i in pack.nodes.adapters.dit.merged_blocks(depth, kind)}
+
+
+def check_input_model_unchanged(pack, model, sample, expected_blocks, where="diffusion_model"):
+    """The ToMA node (ratio 0.5) patches a clone: exactly ``expected_blocks`` replaced and the wrapper at
+    ``where`` on the clone only; sampling the clone leaves the input's options, wrappers and output as
+    they were. Returns the patched clone."""
+    before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
+    before = sample(model)
+    patched, _ = toma_patched(pack, model)
+    assert patched is not model
+    assert set(dit_patches(patched)) == set(expected_blocks)
+    assert patched.get_wrappers(where, WRAPPER) and not model.get_wrappers(where, WRAPPER)
+    sample(patched)
+    assert model.model_options == before_options and model.wrappers == before_wrappers
+    assert torch.equal(sample(model), before)
+    return patched
+
+
+def check_ratio_zero_identical(pack, model, sample, advanced=None):
+    """Ratio 0 through the ToMA node and through the Advanced node (given ``advanced``, by default every
+    level at block scope) samples exactly the unpatched output."""
+    nodes = pack.nodes.toma_nodes
+    advanced = {"scope": "block", "levels": "all"} if advanced is None else advanced
+    reference = sample(model)
+    for node in (nodes.ToMAPatchModel().patch(model, 0.0, 4, 5)[0],
+                 nodes.ToMAPatchModelAdvanced().patch(model, 0.0, 4, 5, **advanced)[0]):
+        assert torch.equal(sample(node), reference)
+
+
+def check_half_ratio_merges(patched, model, sample, levels, tokens, bound=0.1, steps=2):
+    """``patched`` = (model, runtime) at ratio 0.5: same shape, finite, changed by less than ``bound``
+    (relative L2); the stats name exactly ``levels``, each with ``tokens`` tokens over ``steps`` steps and
+    half of them merged (rounding per edge window: within 1/16)."""
+    patched, runtime = patched
+    out, reference = sample(patched), sample(model)
+    assert out.shape == reference.shape and torch.isfinite(out).all()
+    assert 0.0 < relative_l2(out, reference) < bound
+    stats = runtime.summary()["levels"]
+    assert sorted(stats) == sorted(levels)
+    for level in stats.values():
+        assert level["tokens"] == tokens and level["steps"] == steps
+        assert abs(level["merged_tokens"] - tokens / 2) <= tokens / 16
+    return out, reference
+
+
+def check_merging_only_permutes(patched, model, sample):
+    """Where every token of a window is a destination merging only permutes: the output matches the
+    unpatched model's (relative L2 below 1e-5)."""
+    out = sample(patched)
+    assert relative_l2(out, sample(model)) < 1e-5
+    return out
+
+
+def lora_diff(model, key, seed, signed=False):
+    """A weight patch for ``key`` of up to half the weight's largest magnitude (in [-1, 1) x that when
+    ``signed``, else in [0, 1) x that), seeded."""
+    weight = model.model.state_dict()[key]
+    noise = torch.rand(weight.shape, generator=torch.Generator().manual_seed(seed))
+    return 0.5 * weight.abs().max() * (2 * noise - 1 if signed else noise)
+
+
+def check_lora_applies(model, toma, sample, key, diff, exact=True):
+    """A weight patch on ``key`` added to a clone of the ToMA-patched ``toma`` (as LoraLoader does after
+    the node) changes its output and leaves ``toma`` as it was (weights restored); ``exact`` (``toma``
+    merges only by permuting): the change is the one the patch makes on the unpatched ``model``.
+    Returns the output with the patch."""
+    plain = sample(toma)
+    lora = toma.clone()
+    assert set(lora.add_patches({key: (diff,)})) == {key}
+    out = sample(lora)
+    assert torch.isfinite(out).all() and not torch.equal(out, plain)
+    assert torch.equal(sample(toma), plain)
+    if exact:
+        plain_lora = model.clone()
+        assert set(plain_lora.add_patches({key: (diff,)})) == {key}
+        assert relative_l2(out, sample(plain_lora)) < 1e-5
+    return out
+
+
+def check_no_state_leak(pack, patched, runtime, sample, other, grid):
+    """A run never reuses what the run before it left: ``sample`` gives the same output after ``other``
+    (a run on another grid), the first plan of each level is a new one with the same destinations, the
+    plans are keyed by ``grid`` only and no layout stays in the model's options."""
+    first = sample(patched)
+    first_plans = {name: records[0].plan.destinations for name, records in runtime.records.items()}
+    assert first_plans
+    other(patched)
+    assert torch.equal(sample(patched), first)
+    assert set(runtime.records) == set(first_plans)
+    for name, destinations in first_plans.items():
+        again = runtime.records[name][0].plan.destinations
+        assert again is not destinations and torch.equal(again, destinations)
+    assert {key[1] for key in runtime.plans} == {grid}  # plan keys: (group, grid, batch layout)
+    assert pack.nodes.adapters.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
+
+
+def spy(seen, add=1.0, passes=()):
+    """A stand-in for a block (``{"original_block": spy(seen)}``): records its inputs in ``seen``,
+    returns img + ``add`` (img as is when None) and the ``passes`` inputs as given."""
+    def block(inputs):
+        seen.update(inputs)
+        out = {"img": inputs["img"] if add is None else inputs["img"] + add}
+        out.update({k: inputs[k] for k in passes})
+        return out
+    return block
+
+
+def check_update_on_every_token(out, image_in, add=1.0):
+    """Rows of U sum to 1: an update of ``add`` on the merged tokens comes back as ``add`` on every
+    token, full length."""
+    assert out.shape == image_in.shape
+    assert torch.allclose(out, image_in + add, atol=1e-5)
+
+
+def check_unet_baseline_leaves_unpatched(pack, model, node, caplog):
+    """The UNet-only baselines (ToMeSD, CA-ToMe) return a DiT as it is and say why."""
+    before = copy.deepcopy(model.model_options)
+    cls = pack.nodes.toma_nodes.NODE_CLASS_MAPPINGS[node]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        out = cls().patch(model, 0.5)[0] if node == "ToMeSDPatchModel" else cls().patch(model, 0.7)[0]
+    assert out is model and model.model_options == before
+    assert "UNet baseline" in caplog.text
+
+
+def check_comes_back_unpatched(pack, model, caplog, why):
+    """The ToMA node returns ``model`` itself, its options unchanged, and logs ``why``."""
+    before = copy.deepcopy(model.model_options)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        out = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
+    assert out is model and model.model_options == before
+    assert why in caplog.text
