@@ -3,6 +3,7 @@
     python -m toma_bench.video [--device auto|cpu|cuda] [--sizes 480p:3,480p:9,720p:5] [--scale 2]
                                [--steps 3] [--ratios 0.25,0.5,0.75] [--temporal 1,2] [--repeats 3]
                                [--tokens 512] [--window 4] [--reuse 5] [--threads N]
+    python -m toma_bench.video --stack easycache [--stack-steps 10,4] [--sizes 480p:3] [--repeats 3] ...
 
 CUDA: Wan 2.1 1.3B widths and depth (dim 1536, 12 heads of 128, 30 blocks) in bf16, at the real
 latents of 832x480 (60x104) and 1280x720 (90x160) video, 9 and 21 latent frames (33 and 81 video
@@ -27,6 +28,18 @@ unpatched run that syncs around every block and attention call (the ``unpatched:
 gathers) in % of the run's wall time; ``rel L2 x0`` and ``rel L2 v``: relative L2 distance to
 unpatched, at the first step, of the denoised latent and of the model's own prediction (the flow
 velocity v, with x0 = x - sigma v; x0 keeps most of the input latent, so it moves less).
+
+``--stack easycache`` (a separate mode; the one above is unchanged): whole sampling runs of a
+text-to-video job (the same latent size, but denoise 1: from pure noise, euler, simple scheduler, cfg 1)
+at each step count of ``--stack-steps`` (default 10 and 4, the latter as Wan distillation-LoRA users
+sample), for four variants run interleaved, repeat after repeat: unpatched, ToMA (one ratio and temporal
+window, default 0.5 and 2), ComfyUI's EasyCache node at its defaults (reuse_threshold 0.2, start_percent
+0.15, end_percent 0.95), and EasyCache on top of ToMA (EasyCache nearer the sampler: ToMA patches the
+model, EasyCache wraps the patched model). Columns: ``model calls``: diffusion-model calls that ran (cfg 1:
+one per step) and how many EasyCache skipped (it returns the cached output change instead of calling the
+model, so ToMA never runs on a skipped step); ``run s`` / ``CPU s``: median wall / process-CPU seconds of
+a whole run; speed-ups: unpatched over variant; ``rel L2 final``: relative L2 distance of the sampled
+latent to unpatched's.
 """
 import argparse
 import datetime
@@ -210,6 +223,85 @@ def variant_table(rows: list[dict], device: str) -> str:
     return format_table(head, lines)
 
 
+STACK_VARIANTS = ("unpatched", "ToMA", "EasyCache", "EasyCache + ToMA")
+
+
+def easycache(model):
+    """ComfyUI's EasyCache node applied to ``model`` with its default inputs."""
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    out = EasyCacheNode.execute(model, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95, verbose=False)
+    return out.args[0] if hasattr(out, "args") else out[0]
+
+
+def measure_stack(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[str, list[tuple[int, list[dict]]]]:
+    """(the size's header line, [(steps, one row per stack variant)]) for one latent size."""
+    H, W = (-(-side // args.scale) for side in ASPECTS[aspect])
+    latent = panned_latent(frames, H, W)
+    conditioning = models.wan_conditioning(config, 1, args.tokens, seed=0)
+    noise = sampling.seeded_noise((1, 16, frames, H, W), 0)
+    ratio, temporal = args.ratios[0], args.temporal[0]
+    toma_model, _ = toma_variant(pack, model, ratio, temporal, args.window, args.reuse)
+    built = {"unpatched": model, "ToMA": toma_model, "EasyCache": easycache(model),
+             "EasyCache + ToMA": easycache(toma_model)}
+    names = {"unpatched": "unpatched", "ToMA": f"ToMA {ratio:g}, {temporal} frame{'s' if temporal > 1 else ''}",
+             "EasyCache": "EasyCache", "EasyCache + ToMA": f"EasyCache + ToMA {ratio:g}"}
+    calls = [0]
+    hook = model.model.diffusion_model.blocks[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+
+    def run(m, steps):
+        before, wall, cpu = calls[0], time.perf_counter(), time.process_time()
+        out = sampling.sample(m, conditioning, latent, steps=steps, scheduler="simple", denoise=1.0, noise=noise)
+        return time.perf_counter() - wall, time.process_time() - cpu, calls[0] - before, out.float()
+
+    try:
+        with torch.inference_mode():
+            run(model, 2)  # warm-up: loading, kernels, allocator
+            results = {(v, s): {"wall": [], "cpu": [], "calls": [], "out": None}
+                       for s in args.stack_steps for v in STACK_VARIANTS}
+            for _ in range(args.repeats):
+                for steps in args.stack_steps:
+                    for v in STACK_VARIANTS:
+                        wall, cpu, n, out = run(built[v], steps)
+                        r = results[v, steps]
+                        r["wall"].append(wall)
+                        r["cpu"].append(cpu)
+                        r["calls"].append(n)
+                        if r["out"] is None:
+                            r["out"] = out
+    finally:
+        hook.remove()
+
+    tokens = frames * -(-H // 2) * -(-W // 2)
+    header = f"{aspect} aspect, latent {frames}x{H}x{W} = {tokens} video tokens"
+    tables = []
+    for steps in args.stack_steps:
+        ref = results["unpatched", steps]["out"]
+        rows = []
+        for v in STACK_VARIANTS:
+            r = results[v, steps]
+            rows.append({"name": names[v], "steps": steps, "calls": sorted(set(r["calls"])),
+                         "wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"]),
+                         "l2": None if v == "unpatched" else relative_l2(r["out"], ref)})
+        tables.append((steps, rows))
+    return header, tables
+
+
+def stack_table(rows: list[dict], device: str) -> str:
+    """The stack rows ranked by CPU time (CPU) or wall time (CUDA), fastest first."""
+    base = next(r for r in rows if r["name"] == "unpatched")
+    rank = "wall" if device == "cuda" else "cpu"
+    head = ["variant", "model calls", "run s", "CPU s", "speed-up", "CPU speed-up", "rel L2 final"]
+    lines = []
+    for r in sorted(rows, key=lambda r: r[rank]):
+        calls = "/".join(str(c) for c in r["calls"])
+        skipped = "/".join(str(r["steps"] - c) for c in r["calls"])
+        lines.append([r["name"], f"{calls} of {r['steps']} ({skipped} skipped)", f"{r['wall']:.1f}", f"{r['cpu']:.1f}",
+                      f"{base['wall'] / r['wall']:.2f}x", f"{base['cpu'] / r['cpu']:.2f}x",
+                      format_cell(r["l2"], "{:.4f}")])
+    return format_table(head, lines)
+
+
 def parse_sizes(text: str) -> list[tuple[str, int]]:
     """'480p:3,720p:5' -> [('480p', 3), ('720p', 5)]."""
     sizes = []
@@ -231,8 +323,12 @@ def parse_args(argv):
     ap.add_argument("--scale", type=int, default=None,
                     help="divide the latent sides by this (default 1 on CUDA, 2 on CPU)")
     ap.add_argument("--steps", type=int, default=3, help="sampling steps per run (default 3)")
-    ap.add_argument("--ratios", default="0.25,0.5,0.75", help="comma-separated ToMA ratios (default 0.25,0.5,0.75)")
-    ap.add_argument("--temporal", default="1,2", help="comma-separated temporal windows in frames (default 1,2)")
+    ap.add_argument("--stack", choices=["easycache"], default=None,
+                    help="separate mode: whole runs of unpatched, ToMA, EasyCache and EasyCache + ToMA")
+    ap.add_argument("--stack-steps", default="10,4", help="--stack: comma-separated step counts (default 10,4)")
+    ap.add_argument("--ratios", default=None, help="comma-separated ToMA ratios (default 0.25,0.5,0.75; --stack: one ratio, default 0.5)")
+    ap.add_argument("--temporal", default=None,
+                    help="comma-separated temporal windows in frames (default 1,2; --stack: one window, default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant (default 3)")
     ap.add_argument("--tokens", type=int, default=512, help="text tokens (default 512, as Wan's umT5 pads to)")
     ap.add_argument("--window", type=int, default=4, help="ToMA window side in tokens (default 4)")
@@ -242,14 +338,21 @@ def parse_args(argv):
     args.device = resolve_device(ap, args.device)
     cuda = args.device == "cuda"
     try:
-        args.sizes = parse_sizes(args.sizes or ("480p:9,480p:21,720p:21" if cuda else "480p:3,480p:9,720p:5"))
+        args.sizes = parse_sizes(args.sizes or ("480p:9" if cuda else "480p:3") if args.stack else
+                                 args.sizes or ("480p:9,480p:21,720p:21" if cuda else "480p:3,480p:9,720p:5"))
     except ValueError as e:
         ap.error(f"--sizes must be ASPECT:FRAMES items with aspects {', '.join(ASPECTS)} and frames >= 1, got {e}")
     try:
-        args.ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
-        args.temporal = [int(t) for t in args.temporal.split(",") if t.strip()]
+        args.ratios = [float(r) for r in (args.ratios or ("0.5" if args.stack else "0.25,0.5,0.75")).split(",")
+                       if r.strip()]
+        args.temporal = [int(t) for t in (args.temporal or ("2" if args.stack else "1,2")).split(",") if t.strip()]
+        args.stack_steps = [int(s) for s in args.stack_steps.split(",") if s.strip()]
     except ValueError:
-        ap.error("--ratios and --temporal must be comma-separated numbers")
+        ap.error("--ratios, --temporal and --stack-steps must be comma-separated numbers")
+    if args.stack and (len(args.ratios) != 1 or len(args.temporal) != 1):
+        ap.error("--stack takes one --ratios value and one --temporal value")
+    if args.stack and (not args.stack_steps or not all(s >= 2 for s in args.stack_steps)):
+        ap.error("--stack-steps must be step counts >= 2")
     if not args.ratios or not all(0.0 < r <= 0.9 for r in args.ratios):
         ap.error(f"--ratios must be in (0, 0.9], got {args.ratios}")
     if not args.temporal or not all(1 <= t <= 16 for t in args.temporal):
@@ -285,8 +388,21 @@ def main(argv=None) -> None:
     print(f"Wan architecture: dim {config['dim']}, {config['num_heads']} heads, {config['num_layers']} blocks, "
           f"{str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s); {args.tokens} text tokens, "
           f"{args.steps} euler steps at denoise 0.75, cfg 1, window {args.window}, reuse {args.reuse}; "
-          f"{args.repeats} interleaved repeats, median of {args.repeats * (args.steps - 1)} steps per variant",
+          f"{args.repeats} interleaved repeats, median of {args.repeats * (args.steps - 1)} steps per variant"
+          if not args.stack else
+          f"Wan architecture: dim {config['dim']}, {config['num_heads']} heads, {config['num_layers']} blocks, "
+          f"{str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s); {args.tokens} text tokens, "
+          f"text-to-video from noise (denoise 1), euler, simple scheduler, cfg 1; {args.stack_steps} steps; "
+          f"ToMA window {args.window}, reuse {args.reuse}; EasyCache reuse_threshold 0.2, start_percent 0.15, "
+          f"end_percent 0.95; {args.repeats} interleaved repeats, median of {args.repeats} whole runs per variant",
           flush=True)
+    if args.stack:
+        for aspect, frames in args.sizes:
+            header, tables = measure_stack(pack, model, config, args, aspect, frames)
+            for steps, rows in tables:
+                print(f"\n{header}, {steps} steps\n{stack_table(rows, args.device)}", flush=True)
+        print(f"\nload average {', '.join(f'{v:.1f}' for v in os.getloadavg())} at the end")
+        return
     for aspect, frames in args.sizes:
         header, rows = measure(pack, model, config, args, aspect, frames)
         print(f"\n{header}\n{variant_table(rows, args.device)}", flush=True)
