@@ -7,9 +7,14 @@ An adapter module offers:
                                              message, when the strategy or the host cannot serve it
 Adding a family is one module here, its line in ADAPTERS and its tests.
 """
-from . import flux, sd3, unet
+from . import flux, qwen_image, sd3, unet
 
-ADAPTERS = (unet, flux, sd3)
+ADAPTERS = (
+    unet,
+    flux,
+    sd3,
+    qwen_image,
+)
 
 
 def adapter_for(model):
