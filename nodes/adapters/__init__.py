@@ -7,13 +7,14 @@ An adapter module offers:
                                              message, when the strategy or the host cannot serve it
 Adding a family is one module here, its line in ADAPTERS and its tests.
 """
-from . import flux, qwen_image, sd3, unet
+from . import chroma, flux, qwen_image, sd3, unet
 
 ADAPTERS = (
     unet,
     flux,
     sd3,
     qwen_image,
+    chroma,
 )
 
 
