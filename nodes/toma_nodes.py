@@ -112,8 +112,10 @@ class ToMAPatchModel:
     DESCRIPTION = ("ToMA token merging (ICML 2025): in each local window, picks destination tokens by greedy "
                    "facility location, merges the others into them with attention-like weights before "
                    "self-attention and unmerges after it. Faster sampling on SD1.x/SD2.x/SDXL with little "
-                   "change to the image. On Flux (dev, schnell, Kontext) and SD3/SD3.5 it merges the image "
-                   "tokens of all double/single blocks but the first ~25%/~13% (text tokens never).")
+                   "change to the image. On Flux (dev, schnell, Kontext), Chroma (and Chroma Radiance) and "
+                   "SD3/SD3.5 it merges the image tokens of all double/single blocks but the first ~25%/~13%; "
+                   "on Qwen-Image and Qwen-Image-Edit those of all blocks but the first ~25%, each Edit "
+                   "reference image by a plan of its own (text tokens never).")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The patched model: connect it to a sampler.",)

@@ -1,5 +1,6 @@
-"""The checks every DiT family's tests make (Flux, SD3, HunyuanVideo, LTX-Video, Wan, and the next ones),
-written once: each family test calls them with its own model, its own ``sample`` and its expectations.
+"""The checks every DiT family's tests make (Flux, SD3, HunyuanVideo, LTX-Video, Wan, Qwen-Image, Chroma,
+and the next ones), written once: each family test calls them with its own model, its own ``sample`` and
+its expectations.
 
 ``pack`` is the loaded node pack (the tests' ``pack`` fixture); ``sample`` is a callable that takes a
 MODEL and returns the sampled latent, the family's inputs bound in (``lambda m: sample(m, batch=2)``).
@@ -113,6 +114,32 @@ def check_lora_applies(model, toma, sample, key, diff, exact=True):
         assert set(plain_lora.add_patches({key: (diff,)})) == {key}
         assert relative_l2(out, sample(plain_lora)) < 1e-5
     return out
+
+
+def lora_clone(model, key, seed=7):
+    """A clone of ``model`` with a LoRA-like diff on ``key``, as LoraLoader makes. The diff's scale (half
+    the init bound 1/sqrt(fan_in)) comes from the weight's shape, never its values: a weight patch stays
+    applied to the shared model after sampling."""
+    shape = model.model.state_dict()[key].shape
+    diff = 0.5 * shape[1] ** -0.5 * torch.rand(shape, generator=torch.Generator().manual_seed(seed))
+    clone = model.clone()
+    assert set(clone.add_patches({key: (diff,)})) == {key}
+    return clone
+
+
+def check_lora_either_order(pack, model, sample, key, order):
+    """With every token a destination (ratio 0.1, window 2), a LoRA'd ``model`` (lora_clone on ``key``)
+    gives the unpatched LoRA'd output whichever node comes first (``order``: "lora-then-toma" or
+    "toma-then-lora"), and not the output without the LoRA."""
+    with_lora = sample(lora_clone(model, key))
+    assert relative_l2(with_lora, sample(model)) > 1e-3
+    if order == "lora-then-toma":
+        stacked, runtime = toma_patched(pack, lora_clone(model, key), ratio=0.1, window=2)
+    else:
+        exact, runtime = toma_patched(pack, model, ratio=0.1, window=2)
+        stacked = lora_clone(exact, key)
+    assert relative_l2(sample(stacked), with_lora) < 1e-5
+    assert runtime.summary()["levels"]
 
 
 def check_no_state_leak(pack, patched, runtime, sample, other, grid):

@@ -368,3 +368,71 @@ def wan_conditioning(config: dict, batch: int = 1, tokens: int = 512, seed: int 
         return [[torch.randn(batch, tokens, config["text_dim"], generator=g), dict(options)]]
 
     return cond(), cond()
+
+
+# -- Qwen-Image (+Edit) and Chroma (current ComfyUI only) ---------------------------------------------
+# Qwen-Image (20B) widths and depth: 60 double-stream blocks, 24 heads of 128, Qwen2.5-VL text (3584),
+# Wan-VAE latents (B, 16, 1, H, W) patchified 2x2 into 64 channels.
+QWEN_IMAGE_FULL = {
+    "image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+    "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+    "axes_dims_rope": (16, 56, 56),
+}
+# Reduced width and depth for CPU benchmarks: Qwen-Image's head size and RoPE axes, 4 heads, 4 blocks (3
+# of them merge, as 44 of the real 60 do).
+QWEN_IMAGE_SMALL = dict(QWEN_IMAGE_FULL, num_layers=4, num_attention_heads=4)
+# Tiny, for tests: 4 blocks (the first never merges), width 64.
+QWEN_IMAGE_TINY = dict(QWEN_IMAGE_FULL, num_layers=4, attention_head_dim=16, num_attention_heads=4,
+                       joint_attention_dim=64, axes_dims_rope=(4, 6, 6))
+
+# Chroma (FLUX.1-schnell derived, 8.9B): Flux's blocks without the per-block modulation layers; one
+# "distilled guidance" approximator makes every block's modulation vectors. T5-XXL text, no pooled vector.
+CHROMA_FULL = {
+    "image_model": "chroma", "in_channels": 64, "out_channels": 64, "context_in_dim": 4096, "hidden_size": 3072,
+    "mlp_ratio": 4.0, "num_heads": 24, "depth": 19, "depth_single_blocks": 38, "axes_dim": [16, 56, 56],
+    "theta": 10000, "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120,
+    "n_layers": 5,
+}
+CHROMA_TINY = dict(CHROMA_FULL, context_in_dim=64, hidden_size=64, num_heads=4, depth=2, depth_single_blocks=3,
+                   axes_dim=[4, 6, 6], out_dim=64, hidden_dim=64, n_layers=2)
+# Chroma Radiance: the same transformer on 16x16 pixel patches, decoded per patch by a small NeRF head.
+CHROMA_RADIANCE_TINY = dict(CHROMA_TINY, image_model="chroma_radiance", in_channels=3, out_channels=3,
+                            patch_size=16, nerf_hidden_size=16, nerf_mlp_ratio=2, nerf_depth=1, nerf_max_freqs=4,
+                            nerf_tile_size=0, nerf_final_head_type="linear", nerf_embedder_dtype=torch.float32)
+
+
+def build_qwen_image(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight Qwen-Image transformer (QWEN_IMAGE_TINY unless
+    ``config``); the same model serves Qwen-Image-Edit (reference latents in the conditioning)."""
+    import comfy.supported_models
+
+    cfg = comfy.supported_models.QwenImage(dict(config or QWEN_IMAGE_TINY))
+    cfg.set_inference_dtype(dtype, None)
+    base = cfg.get_model({}, device=device)
+    init_weights_(base, seed)
+    _unit_norm_scales_(base)
+    return _patcher(base.to(dtype))
+
+
+def build_chroma(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight Chroma (CHROMA_TINY unless ``config``), or Chroma
+    Radiance when the config says ``image_model="chroma_radiance"``."""
+    import comfy.supported_models
+
+    radiance = (config or {}).get("image_model") == "chroma_radiance"
+    cls = comfy.supported_models.ChromaRadiance if radiance else comfy.supported_models.Chroma
+    cfg = cls(dict(config or CHROMA_TINY))
+    cfg.set_inference_dtype(dtype, None)
+    base = cfg.get_model({}, device=device)
+    init_weights_(base, seed)
+    _unit_norm_scales_(base)
+    return _patcher(base.to(dtype))
+
+
+def text_conditioning(context_dim: int, batch: int = 1, tokens: int = 256, seed: int = 0, **options):
+    """(positive, negative) CONDITIONING of text embeddings (batch, tokens, context_dim) from a seeded
+    generator, each with ``options`` (Qwen-Image-Edit: ``reference_latents=[(B, 16, 1, h, w)]``; Chroma:
+    ``pooled_output=None``, as its T5 encoder gives)."""
+    g = torch.Generator().manual_seed(seed)
+    return ([[torch.randn(batch, tokens, context_dim, generator=g), dict(options)]],
+            [[torch.randn(batch, tokens, context_dim, generator=g), dict(options)]])

@@ -8,13 +8,14 @@ What runs merged:
   MLP run on merged image tokens; the text stream runs in full.
 - Single-stream blocks: the block input is [txt, image, extra]; only the image part is merged, and the
   whole block (attention and the parallel MLP) runs on the shorter sequence, as the official code does.
-- Text tokens are never merged, whatever their length (read from the tensors of each call); ``extra``
-  tokens after the image (Flux Kontext references) are left unmerged too: they keep full rows in
-  attention, and merging them would need a plan per reference grid.
-- Positions: RoPE tables ``pe`` hold per-token rows (layout [txt, image] along dim 2); a merged token
-  takes its destination's row, and ``attn_mask`` (if any) is sliced the same way.
-- Videos (HunyuanVideo, LTX-Video): the grid is frames x h x w in raster order, merged in windows of the
-  strategy's shape; ``lead`` tokens before it (a reference latent, a first frame with its own
+- Text tokens are never merged, whatever their length (read from the tensors of each call). ``extra``
+  tokens after the image (reference images: Flux Kontext, Qwen-Image-Edit) are left unmerged, or, where
+  the adapter asks (``merge_references``), each reference grid is merged by a plan of its own.
+- Positions: RoPE tables ``pe`` hold per-token rows in the order [txt, image, extra], along the
+  adapter's ``pe_axis`` (dim 2 in Flux and Chroma, dim 1 in Qwen-Image); a merged token takes its
+  destination's row, and ``attn_mask`` (if any) is sliced the same way.
+- Videos (HunyuanVideo, LTX-Video, Wan): the grid is frames x h x w in raster order, merged in windows of
+  the strategy's shape; ``lead`` tokens before it (a reference latent, a first frame with its own
   modulation) stay unmerged like ``extra``. Families whose blocks take other per-token tables (per-token
   modulation, masks over keys only, other layouts) override ``DiTPatch.reduced_inputs`` and read their
   layout with a ``LayoutStash`` subclass.
@@ -24,10 +25,11 @@ skip the same fraction of each group (depth * 5/19 double blocks, depth * 5/38 s
 half up). Blocks that already carry a "dit" replace patch from another node are left alone. Only ToMA
 patches DiTs: ToMeSD and CA-ToMe are UNet baselines.
 
-Plans: one per group (double, single), token grid and batch layout, built at a recompute step by the
-group's first merged block and shared by its later blocks (the runtime caches, the strategy's schedule
-says when). Selection features: the block's image input, layer-normalised without affine, so cosine
-compares token content rather than the large per-channel offsets of the residual stream.
+Plans: one per group (double, single; each merged reference grid a group of its own), token grid and
+batch layout, built at a recompute step by the group's first merged block and shared by its later blocks
+(the runtime caches, the strategy's schedule says when). Selection features: the block's image input,
+layer-normalised without affine, so cosine compares token content rather than the large per-channel
+offsets of the residual stream.
 
 Token grid: from the model's own input, stashed in ``transformer_options`` for the block patches by a
 wrapper of the call that sees the latent (``LayoutStash``). Latents are padded to the patch size p, so a
@@ -56,14 +58,16 @@ class ImageLayout:
     """The image part of a model call's token sequence: ``lead`` tokens that are never merged (a
     reference latent before the video, a first frame with its own modulation), then the grid that
     merges, in raster order: h x w for an image, ``frames`` x h x w for a video (frame-major; a video
-    keeps its 3-D grid even for one frame), followed by ``extra`` tokens that are never merged (Kontext
-    reference images, LTX-Video keyframe guides)."""
+    keeps its 3-D grid even for one frame), followed by ``extra`` tokens: the reference images of Flux
+    Kontext or Qwen-Image-Edit (each a grid in raster order, whose (h, w) ``references`` lists in
+    sequence order where the stash knows them), LTX-Video keyframe guides."""
 
     h: int
     w: int
     extra: int = 0
     frames: int | None = None
     lead: int = 0
+    references: tuple = ()
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -102,11 +106,22 @@ def take_rows(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
     return t.gather(dim, index.view(view).expand(size))
 
 
-def joint_index(txt_len: int, layout: ImageLayout, destinations: torch.Tensor) -> torch.Tensor:
+def joint_index(txt_len: int, layout: ImageLayout, destinations: torch.Tensor, references=()) -> torch.Tensor:
     """(B, L') long: for each token of the merged sequence [txt, merged image, extra], the row of the
     full sequence [txt, image, extra] whose position it takes. destinations: (B, N') raster index of
-    each merged token's destination (MergePlan.destination_tokens)."""
-    return sequence_index(txt_len + layout.lead, layout.tokens, txt_len + layout.total, destinations)
+    each merged token's destination (MergePlan.destination_tokens); references: the same for the
+    leading grids of ``layout.references`` that were merged by plans of their own (None: kept whole)."""
+    if not references:
+        return sequence_index(txt_len + layout.lead, layout.tokens, txt_len + layout.total, destinations)
+    B, dev = destinations.shape[0], destinations.device
+    start = txt_len + layout.lead
+    rows, offset = [torch.arange(start, device=dev).expand(B, -1), destinations + start], start + layout.tokens
+    for (h, w), merged in zip(layout.references, references):
+        rows.append(torch.arange(offset, offset + h * w, device=dev).expand(B, -1) if merged is None
+                    else merged + offset)
+        offset += h * w
+    rows.append(torch.arange(offset, txt_len + layout.total, device=dev).expand(B, -1))
+    return torch.cat(rows, dim=1)
 
 
 def sequence_index(start: int, tokens: int, length: int, destinations: torch.Tensor) -> torch.Tensor:
@@ -130,27 +145,32 @@ def take_sequence(t, index: torch.Tensor, dim: int, length: int):
     return take_rows(t, index, dim)
 
 
-def merged_positions(args: dict, txt_len: int, layout: ImageLayout, plan) -> dict:
-    """``pe`` (Bp, 1, L, ...) and ``attn_mask`` (..., L, L) cut down to the merged sequence; {} when the
-    block has neither (SD3)."""
+def merged_positions(args: dict, txt_len: int, layout: ImageLayout, plan, pe_axis: int = 2,
+                     reference_plans=()) -> dict:
+    """``pe`` (its tokens along ``pe_axis``: Flux (Bp, 1, L, ...), Qwen-Image (Bp, L, 1, ...)) and
+    ``attn_mask`` (..., L, L) cut down to the merged sequence; {} when the block has neither (SD3).
+    ``reference_plans``: the plans of the leading reference grids (None: kept whole)."""
     pe, mask = args.get("pe"), args.get("attn_mask")
     if pe is None and mask is None:
         return {}
-    index = joint_index(txt_len, layout, plan.destination_tokens().to((pe if pe is not None else mask).device))
+    device = (pe if pe is not None else mask).device
+    references = [None if p is None else p.destination_tokens().to(device) for p in reference_plans]
+    index = joint_index(txt_len, layout, plan.destination_tokens().to(device), references)
     out = {}
     if pe is not None:
-        out["pe"] = take_rows(pe, index, 2)
+        out["pe"] = take_rows(pe, index, pe_axis)
     if mask is not None:
         mask = mask[None] if mask.dim() == 2 else mask
         out["attn_mask"] = take_rows(take_rows(mask, index, -2), index, -1)
     return out
 
 
-def positions_fit(args: dict, txt_len: int, layout: ImageLayout) -> bool:
-    """Whether pe and attn_mask cover exactly [txt, image, extra] (another patch may have changed them)."""
+def positions_fit(args: dict, txt_len: int, layout: ImageLayout, pe_axis: int = 2) -> bool:
+    """Whether pe (tokens along ``pe_axis``) and attn_mask cover exactly [txt, image, extra] (another
+    patch may have changed them)."""
     full = txt_len + layout.total
     pe, mask = args.get("pe"), args.get("attn_mask")
-    pe_fits = pe is None or (pe.dim() >= 3 and pe.shape[2] == full)
+    pe_fits = pe is None or (pe.dim() > pe_axis and pe.shape[pe_axis] == full)
     return pe_fits and (mask is None or tuple(mask.shape[-2:]) == (full, full))
 
 
@@ -164,12 +184,15 @@ class LayoutStash:
         self.patch = patch_size
 
     def layout(self, call: dict) -> ImageLayout | None:
+        """The call's ImageLayout; None unless the latent is an image: (B, C, H, W), or a single frame
+        (B, C, 1, H, W) as Qwen-Image's Wan-VAE latents are."""
         x = call.get("x")
-        if not torch.is_tensor(x) or x.dim() != 4:
+        if not torch.is_tensor(x) or not (x.dim() == 4 or (x.dim() == 5 and x.shape[2] == 1)):
             return None
-        refs = call.get("ref_latents") or ()
-        extra = sum(patched_side(r.shape[-2], self.patch) * patched_side(r.shape[-1], self.patch) for r in refs)
-        return ImageLayout(patched_side(x.shape[-2], self.patch), patched_side(x.shape[-1], self.patch), extra)
+        refs = tuple((patched_side(r.shape[-2], self.patch), patched_side(r.shape[-1], self.patch))
+                     for r in call.get("ref_latents") or ())
+        return ImageLayout(patched_side(x.shape[-2], self.patch), patched_side(x.shape[-1], self.patch),
+                           sum(h * w for h, w in refs), references=refs)
 
     def __call__(self, executor, *args, **kwargs):
         try:
@@ -186,17 +209,32 @@ class LayoutStash:
             options.pop(LAYOUT_KEY, None)
 
 
+def splice(seq: torch.Tensor, ranges, parts) -> torch.Tensor:
+    """``seq`` (B, L, C) with each of the ascending token ranges [begin, end) replaced by its part."""
+    pieces, cursor = [], 0
+    for (begin, end), part in zip(ranges, parts):
+        pieces += [seq[:, cursor:begin], part]
+        cursor = end
+    pieces.append(seq[:, cursor:])
+    return torch.cat(pieces, 1)
+
+
 class DiTPatch:
     """The block patches of one patched DiT clone (signature of ComfyUI's "dit" replace patches:
-    ``fn(args, {"original_block": fn}) -> dict`` with full-length tokens in and out)."""
+    ``fn(args, {"original_block": fn}) -> dict`` with full-length tokens in and out).
 
-    def __init__(self, runtime: MergeRuntime):
+    pe_axis: the token axis of the model's RoPE table ``pe``. merge_references: whether the reference
+    grids of ``ImageLayout.references`` merge too, each by a plan of its own (else they stay whole)."""
+
+    def __init__(self, runtime: MergeRuntime, pe_axis: int = 2, merge_references: bool = False):
         self.runtime = runtime
+        self.pe_axis = pe_axis
+        self.merge_references = merge_references
 
-    def plan_for(self, group: str, image: torch.Tensor, layout: ImageLayout, options: dict):
-        return self.runtime.plan(("dit", group), ("dit", group), layout.grid, image,
-                                 lambda: F.layer_norm(image, image.shape[-1:]), options,
-                                 f"{group} {layout.name}")
+    def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict):
+        return self.runtime.plan(("dit", group), ("dit", group), grid, tokens,
+                                 lambda: F.layer_norm(tokens, tokens.shape[-1:]), options,
+                                 f"{group} {'x'.join(map(str, grid))}")
 
     def double_block(self, args: dict, extras: dict) -> dict:
         """Image stream [image, extra] (B, N + E, C) merged; text stream (B, L, C) or None passes whole."""
@@ -204,7 +242,7 @@ class DiTPatch:
         options = args.get("transformer_options") or {}
         layout = options.get(LAYOUT_KEY)
         txt_len = 0 if txt is None else txt.shape[1]
-        if layout is None or img.shape[1] != layout.total or not positions_fit(args, txt_len, layout):
+        if layout is None or img.shape[1] != layout.total or not positions_fit(args, txt_len, layout, self.pe_axis):
             return run(args)
         return self.merged_call("double", args, run, 0, txt_len, layout)
 
@@ -213,34 +251,54 @@ class DiTPatch:
         run, x = extras["original_block"], args["img"]
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
         txt_len = -1 if layout is None else x.shape[1] - layout.total
-        if txt_len < 0 or not positions_fit(args, txt_len, layout):
+        if txt_len < 0 or not positions_fit(args, txt_len, layout, self.pe_axis):
             return run(args)
         return self.merged_call("single", args, run, txt_len, txt_len, layout)
 
-    def reduced_inputs(self, args: dict, txt_len: int, layout, plan) -> dict:
+    def reduced_inputs(self, args: dict, txt_len: int, layout, plan, reference_plans=()) -> dict:
         """The block's per-token inputs besides the tokens (``pe``, ``attn_mask``), cut to the merged
-        sequence; a family whose blocks take other per-token inputs overrides this."""
-        return merged_positions(args, txt_len, layout, plan)
+        sequence; ``reference_plans``: the plans of the leading reference grids (None: kept whole; empty
+        for families without reference grids). A family whose blocks take other per-token inputs
+        overrides this."""
+        return merged_positions(args, txt_len, layout, plan, self.pe_axis, reference_plans)
+
+    def reference_plans(self, group: str, seq: torch.Tensor, begin: int, layout: ImageLayout, options: dict):
+        """[((begin, end), plan or None)] for the reference grids of ``layout`` from ``begin`` in ``seq``."""
+        out = []
+        for k, (h, w) in enumerate(layout.references if self.merge_references else ()):
+            end = begin + h * w
+            out.append(((begin, end), self.plan_for(f"{group} reference {k + 1}", seq[:, begin:end], (h, w), options)))
+            begin = end
+        return out
 
     def merged_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout) -> dict:
-        """Run the block on ``args["img"]`` with its grid tokens [start, start + layout.tokens) merged;
-        return the full-length result with the block's update of those tokens unmerged onto them."""
-        seq, end = args["img"], start + layout.tokens
-        image = seq[:, start:end]
-        plan = self.plan_for(group, image, layout, args["transformer_options"])
+        """Run the block on ``args["img"]`` with its grid tokens [start, start + layout.tokens) merged (and
+        the reference grids after them, with ``merge_references``); return the full-length result with
+        the block's update of the merged tokens unmerged onto them."""
+        seq, options, end = args["img"], args["transformer_options"], start + layout.tokens
+        plan = self.plan_for(group, seq[:, start:end], layout.grid, options)
         if plan is None:
             return run(args)
+        references = self.reference_plans(group, seq, end, layout, options)
+        spans = [((start, end), plan)] + [(r, p) for r, p in references if p is not None]
 
         def merge(_):
-            merged = plan.merge(image)
-            return merged, {"img": torch.cat([seq[:, :start], merged, seq[:, end:]], 1),
-                            **self.reduced_inputs(args, txt_len, layout, plan)}
+            merged = [p.merge(seq[:, b:e]) for (b, e), p in spans]
+            return merged, {"img": splice(seq, [r for r, _ in spans], merged),
+                            **self.reduced_inputs(args, txt_len, layout, plan, [p for _, p in references])}
 
         merged, inputs = self.runtime.timed("merge", merge, None)
         out = run({**args, **inputs})
-        y, stop = out["img"], start + merged.shape[1]
-        restored = self.runtime.timed("unmerge", lambda ym: plan.unmerge_update(image, merged, ym), y[:, start:stop])
-        return {**out, "img": torch.cat([y[:, :start], restored, y[:, stop:]], 1)}
+
+        def unmerge(y):
+            ranges, shift = [], 0  # where each merged span sits in the shorter output
+            for ((b, e), _), m in zip(spans, merged):
+                ranges.append((b - shift, b - shift + m.shape[1]))
+                shift += e - b - m.shape[1]
+            return splice(y, ranges, [p.unmerge_update(seq[:, b:e], m, y[:, ob:oe])
+                                      for ((b, e), p), m, (ob, oe) in zip(spans, merged, ranges)])
+
+        return {**out, "img": self.runtime.timed("unmerge", unmerge, out["img"])}
 
 
 @dataclass(frozen=True)

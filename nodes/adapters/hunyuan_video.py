@@ -117,7 +117,7 @@ class HunyuanVideoPatch(DiTPatch):
             return run(args)
         return self.merged_call("single", args, run, layout.lead, txt_len, layout)
 
-    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan) -> dict:
+    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan, reference_plans=()) -> dict:
         """pe rows and mask columns of the destinations; modulation ranges moved onto the merged sequence."""
         full = layout.total + txt_len
         pe, mask = args.get("pe"), args.get("attention_mask")

@@ -80,7 +80,7 @@ class LTXVPatch(DiTPatch):
         pe_fits = pe is None or (isinstance(pe, (tuple, list)) and all(t.shape[1] == layout.total for t in pe))
         return pe_fits and (vec is None or vec.shape[1] in (1, layout.total))
 
-    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan) -> dict:
+    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan, reference_plans=()) -> dict:
         """RoPE rows and (per-token timesteps) modulation rows of the destinations."""
         pe, vec = args.get("pe"), args.get("vec")
         device = (vec if pe is None else pe[0]).device

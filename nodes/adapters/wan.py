@@ -141,7 +141,7 @@ class WanPatch(DiTPatch):
             return run(args)
         return self.merged_call("video", args, run, layout.lead, 0, layout)
 
-    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan) -> dict:
+    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan, reference_plans=()) -> dict:
         """pe (1, L, 1, d/2, 2, 2) and a per-token e0 (B, rows, 6, C) cut to the rows of the merged
         sequence [lead, destinations, extra]."""
         pe, vec = args["pe"], args.get("vec")

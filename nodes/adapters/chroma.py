@@ -1,0 +1,34 @@
+"""Adapter for Chroma and Chroma Radiance: Flux's double and single blocks, merged as Flux's are
+(nodes/adapters/dit.py), skipping the same fractions (Chroma keeps Flux's 19 + 38 blocks).
+
+What differs from Flux does not reach the merge: each block's modulation (``vec``) comes from Chroma's
+distilled-guidance approximator as per-sample (B, 1, C) slices, not per token, so it passes unchanged;
+``pe`` has Flux's layout (B, 1, L, ...), [txt, image]; an ``attn_mask`` (T5 padding, regional prompts)
+is cut to the merged rows. Chroma Radiance patchifies pixels 16x16 with a convolution and decodes each
+patch with a NeRF head from the full-length tokens the blocks return.
+
+Token grid: Chroma's DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (pixels for
+Radiance); ceil(H / patch) tokens per side. Chroma takes no reference images.
+"""
+from .dit import SKIP_FRACTION, BlockGroup, DiTPatch, layout_wrapper, patch_blocks
+
+FAMILY = "Chroma"
+
+
+def supports(model) -> bool:
+    try:
+        from comfy.ldm.chroma.model import Chroma
+    except ImportError:  # before Chroma (2025)
+        return False
+    dm = getattr(model.model, "diffusion_model", None)
+    return isinstance(dm, Chroma) and hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks")
+
+
+def patch(model, runtime, levels=None, scope=None):
+    """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
+    dm = model.model.diffusion_model
+    blocks = DiTPatch(runtime)
+    groups = [BlockGroup("double_block", "double", len(dm.double_blocks), blocks.double_block, SKIP_FRACTION["double"]),
+              BlockGroup("single_block", "single", len(dm.single_blocks), blocks.single_block, SKIP_FRACTION["single"])]
+    stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model)
+    return patch_blocks(model, runtime, FAMILY, groups, stash)

@@ -1,0 +1,182 @@
+"""ToMA on Qwen-Image and Qwen-Image-Edit: a random-weight Qwen-Image transformer built from ComfyUI's own
+classes (4 double blocks, width 64) sampled through ComfyUI's sampler.
+
+Latents are Wan-VAE latents (B, 16, 1, H, W) at 1/4 of the real sizes (1024x1024 -> 32x32, 832x1216 ->
+26x38, and an odd 27x39 whose 14x20 token grid no window of 4 divides); one test runs the real 128x128
+latent of a 1024x1024 image with a tiny-width model for one step.
+"""
+import pytest
+import torch
+
+from toma_bench import comfy_host, dit_checks, models
+from toma_bench.metrics import relative_l2
+
+CURRENT_ONLY = ("Qwen-Image (+Edit) exists only in current ComfyUI (set COMFYUI_PATH, e.g. to the "
+                ".comfyui-current made by tests/setup_current.sh)")
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=CURRENT_ONLY)]
+
+SIZES = {"1024x1024": (32, 32), "832x1216": (26, 38), "odd": (27, 39)}
+CONTEXT = models.QWEN_IMAGE_TINY["joint_attention_dim"]
+
+
+@pytest.fixture(scope="module")
+def qwen(pack):
+    """The Qwen-Image ModelPatcher, built once; tests only ever patch clones of it."""
+    return models.build_qwen_image(seed=11)
+
+
+def sample(model, hw, batch=1, tokens=77, steps=2, cfg=1.0, seed=0):
+    import comfy.sample
+
+    positive, negative = models.text_conditioning(CONTEXT, batch, tokens, seed)
+    latent = torch.zeros(batch, 16, 1, *hw)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                               seed=seed, disable_pbar=True)
+
+
+def reference_latent(h, w, seed):
+    """A Qwen-Image-Edit reference image's latent (1, 16, 1, h, w)."""
+    return models.structured_latent(1, h, w, seed=seed, channels=16)[:, :, None]
+
+
+def test_node_patches_a_clone_and_leaves_the_input_alone(pack, qwen):
+    # 4 blocks: the first never merges
+    dit_checks.check_input_model_unchanged(pack, qwen, lambda m: sample(m, SIZES["odd"]),
+                                           {("double_block", i) for i in (1, 2, 3)})
+
+
+def test_ratio_zero_is_identical_to_unpatched(pack, qwen):
+    dit_checks.check_ratio_zero_identical(pack, qwen, lambda m: sample(m, SIZES["odd"], batch=2))
+
+
+# every pair of (size, batch size, text length) values occurs once: 6 runs instead of the 12 of a full grid
+PAIRWISE = [("1024x1024", 1, 77), ("1024x1024", 2, 512), ("832x1216", 1, 512), ("832x1216", 2, 77),
+            ("odd", 1, 77), ("odd", 2, 512)]
+
+
+@pytest.mark.parametrize("size,batch,tokens", PAIRWISE)
+def test_half_ratio_merges_the_image_grid(pack, qwen, size, batch, tokens):
+    """Ratio 0.5 changes the output, but stays within 5% of the unpatched one (measured: 1.4-1.5%; 3
+    of the 4 blocks merge), and the stats report the token grid with half of it merged."""
+    hw = SIZES[size]
+    h, w = -(-hw[0] // 2), -(-hw[1] // 2)
+    out, reference = dit_checks.check_half_ratio_merges(dit_checks.toma_patched(pack, qwen), qwen,
+                                                        lambda m: sample(m, hw, batch, tokens),
+                                                        [f"double {h}x{w}"], h * w, bound=0.05)
+    assert relative_l2(out, reference) > 1e-4
+
+
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, qwen):
+    """Window 2 and ratio 0.1 keep every token of a window as a destination: merging only permutes the
+    image tokens (tile-major, in selection order). Attention does not care about order as long as each
+    token keeps its own RoPE row (Qwen-Image's pe holds tokens along dim 1, not Flux's dim 2), so the
+    output matches the unpatched model: this checks the pe gather, the unmerge order, batch rows and
+    CFG batches together."""
+    patched, runtime = dit_checks.toma_patched(pack, qwen, ratio=0.1, window=2)
+    dit_checks.check_merging_only_permutes(patched, qwen, lambda m: sample(m, SIZES["odd"], batch=2, cfg=2.0))
+    assert runtime.summary()["levels"]["double 14x20"]["steps"] == 2
+
+
+def test_merged_block_call_gets_destination_positions(pack, qwen):
+    """A spy in place of a Qwen-Image block sees: text rows of pe untouched, each merged image token and
+    each merged token of the reference grid with the RoPE row of its destination (all along dim 1); the
+    patch returns full-length image tokens with the block's update unmerged onto every token."""
+    dit = pack.nodes.adapters.dit
+    dm = qwen.model.diffusion_model
+    h, w, txt_len, ref = 5, 7, 9, (2, 3)
+    n_img, n_ref = h * w, ref[0] * ref[1]
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randn(2, txt_len + n_img + n_ref, 3, generator=g)  # distinct positions for every row
+    pe = dm.pe_embedder(ids).squeeze(1).unsqueeze(2)  # as QwenImageTransformer2DModel._forward builds it
+    C = dm.inner_dim
+    layout = dit.ImageLayout(h, w, n_ref, references=(ref,))
+    args = {"img": torch.randn(2, n_img + n_ref, C, generator=g), "txt": torch.randn(2, txt_len, C, generator=g),
+            "vec": torch.randn(2, C, generator=g), "pe": pe,
+            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+    seen = {}
+    patched, runtime = dit_checks.toma_patched(pack, qwen)
+    out = dit_checks.dit_patches(patched)[("double_block", 1)](dict(args),
+                                                              {"original_block": dit_checks.spy(seen, passes=("txt",))})
+    plans = {key[0][1]: plan for key, plan in runtime.plans.items()}
+    image_dst = plans["double"].destination_tokens()
+    ref_dst = plans["double reference 1"].destination_tokens()
+    n, r = image_dst.shape[1], ref_dst.shape[1]
+    assert n < n_img and r < n_ref and seen["img"].shape[1] == n + r and seen["pe"].shape[1] == txt_len + n + r
+    for b in range(2):
+        assert torch.equal(seen["pe"][b, :txt_len], pe[b, :txt_len])
+        assert torch.equal(seen["pe"][b, txt_len:txt_len + n], pe[b, txt_len + image_dst[b]])
+        assert torch.equal(seen["pe"][b, txt_len + n:], pe[b, txt_len + n_img + ref_dst[b]])
+    assert torch.equal(out["txt"], args["txt"])
+    dit_checks.check_update_on_every_token(out["img"], args["img"])  # on every image and reference token
+
+
+@pytest.mark.parametrize("method", ["index", "offset"])
+def test_edit_references_merge_by_their_own_plans(pack, qwen, method):
+    """Qwen-Image-Edit: two reference latents (odd and non-square) append their tokens after the image
+    tokens, placed by either of ComfyUI's methods. In the D = S case the output is the unpatched one (the
+    references' RoPE rows follow their tokens); at ratio 0.5 the image and each reference grid merge
+    half of their tokens, and the output stays close to the unpatched one."""
+    import node_helpers
+
+    references = [reference_latent(20, 14, seed=3), reference_latent(9, 12, seed=4)]
+
+    def run(model):
+        import comfy.sample
+
+        positive, negative = models.text_conditioning(CONTEXT, 1, 77, 0, reference_latents=references)
+        positive = node_helpers.conditioning_set_values(positive, {"reference_latents_method": method})
+        latent = torch.zeros(1, 16, 1, *SIZES["odd"])
+        noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(0))
+        return comfy.sample.sample(model, noise, 2, 1.0, "euler", "simple", positive, negative, latent, seed=0,
+                                   disable_pbar=True)
+
+    unpatched = run(qwen)
+    exact, runtime = dit_checks.toma_patched(pack, qwen, ratio=0.1, window=2)
+    assert relative_l2(run(exact), unpatched) < 1e-5
+    assert sorted(runtime.summary()["levels"]) == ["double 14x20", "double reference 1 10x7",
+                                                   "double reference 2 5x6"]
+    half_patched, half = dit_checks.toma_patched(pack, qwen)
+    out = run(half_patched)
+    assert torch.isfinite(out).all() and 1e-4 < relative_l2(out, unpatched) < 0.05
+    levels = half.summary()["levels"]
+    assert {k: v["tokens"] for k, v in levels.items()} == {"double 14x20": 280, "double reference 1 10x7": 70,
+                                                           "double reference 2 5x6": 30}
+    assert all(abs(v["merged_tokens"] - v["tokens"] / 2) <= v["tokens"] / 8 for v in levels.values())
+
+
+LORA_KEY = "diffusion_model.transformer_blocks.2.img_mlp.net.2.weight"  # inside a merged block
+
+
+@pytest.mark.parametrize("order", ["lora-then-toma", "toma-then-lora"])
+def test_lora_patches_still_apply(pack, qwen, order):
+    dit_checks.check_lora_either_order(pack, qwen, lambda m: sample(m, SIZES["odd"]), LORA_KEY, order)
+
+
+def test_real_1024_latent_with_tiny_width(pack):
+    """The real latent of a 1024x1024 image (128x128 -> 64x64 tokens), one step, one block of width 32."""
+    config = dict(models.QWEN_IMAGE_TINY, num_layers=1, num_attention_heads=2)
+    patched, runtime = dit_checks.toma_patched(pack, models.build_qwen_image(seed=12, config=config))
+    out = sample(patched, (128, 128), tokens=256, steps=1)
+    assert out.shape == (1, 16, 1, 128, 128) and torch.isfinite(out).all()
+    assert runtime.summary()["levels"] == {"double 64x64": {"tokens": 4096, "merged_tokens": 2048, "steps": 1}}
+
+
+def test_unsupported_family_is_returned_unpatched_with_a_message(pack, caplog):
+    """A Lumina 2 (NextDiT) model, which no adapter serves, comes back as is, with a log message that
+    names every supported family."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "n_layers": 1,
+              "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 4, "cap_feat_dim": 32, "axes_dims": [4, 6, 6],
+              "axes_lens": [1, 64, 64], "qk_norm": True}
+    lumina = comfy.supported_models.Lumina2(config)
+    lumina.set_inference_dtype(torch.float32, None)
+    model = comfy.model_patcher.ModelPatcher(lumina.get_model({}), load_device=mm.get_torch_device(),
+                                             offload_device=mm.unet_offload_device())
+    dit_checks.check_comes_back_unpatched(pack, model, caplog, "Lumina2 is not supported")
+    families = [adapter.FAMILY for adapter in pack.nodes.adapters.ADAPTERS]
+    assert "Qwen-Image" in families
+    assert all(family in caplog.text for family in families)
