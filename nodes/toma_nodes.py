@@ -108,7 +108,16 @@ REUSE_INPUT = _int(DEFAULT_REUSE, 1, 100,
                    "(pattern reuse).")
 
 
-class ToMAPatchModel:
+class ModelPatchNode:
+    """What every node of this pack that patches a MODEL shares."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The patched model: connect it to a sampler.",)
+    FUNCTION = "patch"
+
+
+class ToMAPatchModel(ModelPatchNode):
     DESCRIPTION = ("ToMA token merging (ICML 2025): in each local window, picks destination tokens by greedy "
                    "facility location, merges the others into them with attention-like weights before "
                    "self-attention and unmerges after it. Faster sampling on SD1.x/SD2.x/SDXL with little "
@@ -116,10 +125,6 @@ class ToMAPatchModel:
                    "SD3/SD3.5 it merges the image tokens of all double/single blocks but the first ~25%/~13%; "
                    "on Qwen-Image and Qwen-Image-Edit those of all blocks but the first ~25%, each Edit "
                    "reference image by a plan of its own (text tokens never).")
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The patched model: connect it to a sampler.",)
-    FUNCTION = "patch"
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -131,14 +136,10 @@ class ToMAPatchModel:
         return ToMAPatchModelAdvanced().patch(model, ratio, window_size, reuse_interval, unique_id=unique_id)
 
 
-class ToMAPatchModelAdvanced:
+class ToMAPatchModelAdvanced(ModelPatchNode):
     DESCRIPTION = ("ToMA token merging with every knob: what runs merged (scope), which UNet levels, "
                    "how often weights are refreshed, the part of the schedule that merges, softmax sharpness "
                    "and exact pseudo-inverse unmerging.")
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The patched model: connect it to a sampler.",)
-    FUNCTION = "patch"
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -204,12 +205,9 @@ TOME_COMMON = {
 }
 
 
-class ToMeSDPatchModel:
+class ToMeSDPatchModel(ModelPatchNode):
     DESCRIPTION = ("ToMeSD baseline (Bolya & Hoffman 2023), as in the tomesd package: one random destination "
                    "per 2x2 cell, bipartite matching by cosine, the most similar sources averaged in; seeded.")
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -237,12 +235,9 @@ def parse_checkpoints(text: str) -> tuple[int, ...]:
     return steps
 
 
-class CAToMePatchModel:
+class CAToMePatchModel(ModelPatchNode):
     DESCRIPTION = ("CA-ToMe baseline (Saghatchian et al. 2025): ToMeSD's matching, but merges the sources "
                    "whose similarity reaches a threshold, and reuses the matches between checkpoint steps.")
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
     def INPUT_TYPES(cls):
