@@ -177,6 +177,16 @@ def _patcher(base):
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())
 
+def _random_dit(model_config, seed: int, dtype: torch.dtype, device=None, draw_device=None, cast: bool = True):
+    """The random-weight BaseModel of a ComfyUI ``model_config`` (a supported_models class instance):
+    layers in ``dtype``, every parameter drawn from ``seed``, unit norm scales."""
+    model_config.set_inference_dtype(dtype, None)
+    base = model_config.get_model({}, device=device)
+    init_weights_(base, seed, draw_device)
+    _unit_norm_scales_(base)
+    return base.to(dtype) if cast else base
+
+
 
 def build_flux(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None,
                draw_device=None):
@@ -186,12 +196,8 @@ def build_flux(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
     otherwise (see init_weights_)."""
     import comfy.supported_models
 
-    cfg = comfy.supported_models.Flux(dict(config or FLUX_TINY))
-    cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({}, device=device)
-    init_weights_(base, seed, draw_device)
-    _unit_norm_scales_(base)
-    return _patcher(base.to(dtype))
+    flux = comfy.supported_models.Flux(dict(config or FLUX_TINY))
+    return _patcher(_random_dit(flux, seed, dtype, device, draw_device))
 
 
 def build_sd3(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
@@ -266,12 +272,7 @@ def build_hunyuan_video(seed: int = 0, dtype: torch.dtype = torch.float32, confi
     import comfy.supported_models
 
     family = comfy.supported_models.HunyuanImage21 if image else comfy.supported_models.HunyuanVideo
-    cfg = family(dict(config or HUNYUAN_VIDEO_TINY))
-    cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({}, device=device)
-    init_weights_(base, seed)
-    _unit_norm_scales_(base)
-    return _patcher(base.to(dtype))
+    return _patcher(_random_dit(family(dict(config or HUNYUAN_VIDEO_TINY)), seed, dtype, device))
 
 
 def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
@@ -279,12 +280,7 @@ def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
     the 2B model)."""
     import comfy.supported_models
 
-    cfg = comfy.supported_models.LTXV(dict(config or LTXV_TINY))
-    cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({}, device=device)
-    init_weights_(base, seed)
-    _unit_norm_scales_(base)
-    return _patcher(base.to(dtype))
+    return _patcher(_random_dit(comfy.supported_models.LTXV(dict(config or LTXV_TINY)), seed, dtype, device))
 
 
 def video_conditioning(arch: str, config: dict, batch: int = 1, tokens: int = 77, seed: int = 0,
@@ -350,12 +346,9 @@ def build_wan(variant: str = "t2v", seed: int = 0, dtype: torch.dtype = torch.fl
     import comfy.supported_models
 
     model_config, changes = WAN_VARIANTS[variant]
-    cfg = getattr(comfy.supported_models, model_config)({**(config or WAN_TINY), **changes})
-    cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({}, device=device)  # layers in ``dtype``, but Wan keeps its patch embedding fp32
-    init_weights_(base, seed, draw_device)
-    _unit_norm_scales_(base)
-    return _patcher(base)
+    # layers in ``dtype``, but Wan keeps its patch embedding fp32: no cast
+    wan = getattr(comfy.supported_models, model_config)({**(config or WAN_TINY), **changes})
+    return _patcher(_random_dit(wan, seed, dtype, device, draw_device, cast=False))
 
 
 def wan_conditioning(config: dict, batch: int = 1, tokens: int = 512, seed: int = 0, **options):
@@ -406,12 +399,7 @@ def build_qwen_image(seed: int = 0, dtype: torch.dtype = torch.float32, config: 
     ``config``); the same model serves Qwen-Image-Edit (reference latents in the conditioning)."""
     import comfy.supported_models
 
-    cfg = comfy.supported_models.QwenImage(dict(config or QWEN_IMAGE_TINY))
-    cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({}, device=device)
-    init_weights_(base, seed)
-    _unit_norm_scales_(base)
-    return _patcher(base.to(dtype))
+    return _patcher(_random_dit(comfy.supported_models.QwenImage(dict(config or QWEN_IMAGE_TINY)), seed, dtype, device))
 
 
 def build_chroma(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
@@ -421,12 +409,7 @@ def build_chroma(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict
 
     radiance = (config or {}).get("image_model") == "chroma_radiance"
     cls = comfy.supported_models.ChromaRadiance if radiance else comfy.supported_models.Chroma
-    cfg = cls(dict(config or CHROMA_TINY))
-    cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({}, device=device)
-    init_weights_(base, seed)
-    _unit_norm_scales_(base)
-    return _patcher(base.to(dtype))
+    return _patcher(_random_dit(cls(dict(config or CHROMA_TINY)), seed, dtype, device))
 
 
 def text_conditioning(context_dim: int, batch: int = 1, tokens: int = 256, seed: int = 0, **options):
