@@ -10,7 +10,7 @@ patch with a NeRF head from the full-length tokens the blocks return.
 Token grid: Chroma's DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (pixels for
 Radiance); ceil(H / patch) tokens per side. Chroma takes no reference images.
 """
-from .dit import SKIP_FRACTION, BlockGroup, DiTPatch, layout_wrapper, patch_blocks
+from .dit import DiTPatch, flux_block_groups, layout_wrapper, patch_blocks
 
 FAMILY = "Chroma"
 
@@ -28,7 +28,6 @@ def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
     dm = model.model.diffusion_model
     blocks = DiTPatch(runtime)
-    groups = [BlockGroup("double_block", "double", len(dm.double_blocks), blocks.double_block, SKIP_FRACTION["double"]),
-              BlockGroup("single_block", "single", len(dm.single_blocks), blocks.single_block, SKIP_FRACTION["single"])]
+    groups = flux_block_groups(dm, blocks)
     stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model)
     return patch_blocks(model, runtime, FAMILY, groups, stash)

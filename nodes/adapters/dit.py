@@ -318,6 +318,14 @@ class BlockGroup:
         return range(int(self.depth * self.skip + 0.5), self.depth)
 
 
+def flux_block_groups(dm, blocks) -> list[BlockGroup]:
+    """The double and single block groups of a model with Flux's block layout (Flux, Chroma,
+    HunyuanVideo: ``double_blocks`` then ``single_blocks``), at the paper's fractions, patched by the
+    ``double_block``/``single_block`` methods of ``blocks`` (a DiTPatch)."""
+    return [BlockGroup("double_block", "double", len(dm.double_blocks), blocks.double_block, SKIP_FRACTION["double"]),
+            BlockGroup("single_block", "single", len(dm.single_blocks), blocks.single_block, SKIP_FRACTION["single"])]
+
+
 def merged_blocks(depth: int, group: str) -> range:
     """Indices of the blocks of a group of ``depth`` blocks that merge, at the paper's Flux fractions."""
     return BlockGroup("", group, depth, None, SKIP_FRACTION[group]).merged()

@@ -9,7 +9,7 @@ it is most of the speed-up; docs/benchmarks.md shows what it costs in fidelity.
 Token grid: Flux's DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent and the
 Kontext reference latents (their tokens follow the image tokens and stay unmerged).
 """
-from .dit import SKIP_FRACTION, BlockGroup, DiTPatch, layout_wrapper, patch_blocks
+from .dit import DiTPatch, flux_block_groups, layout_wrapper, patch_blocks
 
 FAMILY = "Flux"
 
@@ -27,8 +27,7 @@ def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
     dm = model.model.diffusion_model
     blocks = DiTPatch(runtime)
-    groups = [BlockGroup("double_block", "double", len(dm.double_blocks), blocks.double_block, SKIP_FRACTION["double"]),
-              BlockGroup("single_block", "single", len(dm.single_blocks), blocks.single_block, SKIP_FRACTION["single"])]
+    groups = flux_block_groups(dm, blocks)
     if hasattr(dm, "_forward"):
         stash = layout_wrapper("DIFFUSION_MODEL", dm._forward, dm.patch_size, model)
     else:  # a Flux without the executor around _forward: the same latent reaches BaseModel._apply_model

@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, layout_wrapper,
-                  patch_blocks, patched_side, sequence_index, take_rows, take_sequence)
+from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, flux_block_groups, layout_wrapper, patch_blocks,
+                  patched_side, sequence_index, take_rows, take_sequence)
 
 FAMILY = "HunyuanVideo"
 MODULATION_KEYS = ("modulation_dims_img", "modulation_dims")  # double block, single block
@@ -138,8 +138,7 @@ def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
     dm = model.model.diffusion_model
     blocks = HunyuanVideoPatch(runtime)
-    groups = [BlockGroup("double_block", "double", len(dm.double_blocks), blocks.double_block, SKIP_FRACTION["double"]),
-              BlockGroup("single_block", "single", len(dm.single_blocks), blocks.single_block, SKIP_FRACTION["single"])]
+    groups = flux_block_groups(dm, blocks)
     stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model,
                            HunyuanLayoutStash)
     return patch_blocks(model, runtime, FAMILY, groups, stash)
