@@ -173,17 +173,20 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                 "temporal_window": _int(DEFAULT_TEMPORAL_WINDOW, 1, 16, "Video models: frames (latent frames) a "
                                         "merge window spans, so tokens merge with their neighbours in the "
                                         "next frames too; 1 = each frame apart. Images have one frame."),
+                "merge_every": _int(1, 1, 100, "Merge only on every k-th step (steps 0, k, 2k, ...); the other "
+                                    "steps run the unpatched model. 1 = every step; the official Flux run "
+                                    "uses 3."),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def patch(self, model, ratio, window_size, reuse_interval, scope="attention", levels="auto",
               weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
-              temporal_window=DEFAULT_TEMPORAL_WINDOW, unique_id=None):
+              temporal_window=DEFAULT_TEMPORAL_WINDOW, merge_every=1, unique_id=None):
         check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,
                      scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
-                     end_percent=end_percent, tau=tau, temporal_window=temporal_window)
-        schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval)
+                     end_percent=end_percent, tau=tau, temporal_window=temporal_window, merge_every=merge_every)
+        schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every))
         strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge,
                                                 tile_frames=int(temporal_window))
         return (apply_strategy(model, strategy, levels, scope, unique_id),)

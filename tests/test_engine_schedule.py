@@ -84,6 +84,31 @@ def test_reset_and_step_going_back_recompute():
     assert sched.decide(0, 0.0, "g") == StepDecision(True, True, True)
 
 
+@pytest.mark.parametrize("every,start,end,merged", [
+    (1, 0.0, 1.0, list(range(10))),
+    (2, 0.0, 1.0, [0, 2, 4, 6, 8]),
+    (3, 0.0, 1.0, [0, 3, 6, 9]),
+    (1, 0.2, 0.7, [2, 3, 4, 5, 6]),
+    (2, 0.1, 0.8, [2, 4, 6]),  # counted from step 0, not from the window's first step
+    (3, 0.2, 1.0, [3, 6, 9]),
+])
+def test_merge_every_kth_step_inside_the_window(every, start, end, merged):
+    sched = ReuseSchedule(start_percent=start, end_percent=end, reuse_interval=1, merge_every=every)
+    got = [sched.decide(s, s / 10, "g") for s in range(10)]
+    assert [s for s, d in enumerate(got) if d.merge] == merged
+    assert all(d == StepDecision(False, False, False) for d in got if not d.merge)
+
+
+def test_merge_every_keeps_counting_reuse_in_steps():
+    # destinations are reused for reuse_interval steps, skipped steps included: with merge every 3rd
+    # step and reuse 5, step 3 reuses step 0's destinations and step 6 chooses new ones
+    sched = ReuseSchedule(reuse_interval=5, weights_interval=5, merge_every=3)
+    got = {s: sched.decide(s, s / 12, "g") for s in range(12)}
+    assert [s for s, d in got.items() if d.merge] == [0, 3, 6, 9]
+    assert [s for s, d in got.items() if d.new_destinations] == [0, 6]
+    assert got[3] == got[9] == StepDecision(True, False, False)
+
+
 @pytest.mark.parametrize("kwargs,name", [
     ({"start_percent": -0.1}, "start_percent"),
     ({"start_percent": 1.5}, "start_percent"),
@@ -94,6 +119,8 @@ def test_reset_and_step_going_back_recompute():
     ({"reuse_interval": 2.5}, "reuse_interval"),
     ({"weights_interval": 0}, "weights_interval"),
     ({"weights_interval": -3}, "weights_interval"),
+    ({"merge_every": 0}, "merge_every"),
+    ({"merge_every": 1.5}, "merge_every"),
 ])
 def test_invalid_schedule_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -357,6 +357,36 @@ def attention_diff(model, key, seed, scale=0.1):
 LORA_KEY = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_v.weight"  # a 1/1 level block
 
 
+def test_merge_every_second_step_runs_the_unpatched_model_on_odd_steps(pack, sd15):
+    """merge_every 2 over 4 steps: steps 0 and 2 merge; on steps 1 and 3 the patched model is the unpatched
+    one: fed the inputs the patched run saw, the unpatched model returns exactly its outputs there."""
+    calls = []
+
+    def record(apply_model, args):
+        out = apply_model(args["input"], args["timestep"], **args["c"])
+        calls.append((args["input"], out))
+        return out
+
+    patched = patch(pack, "ToMAPatchModelAdvanced", sd15.model, **advanced(merge_every=2)).clone()
+    patched.set_model_unet_function_wrapper(record)
+    sample(patched, "sd15", steps=4)
+    steps = {s for stats in pack.nodes.runtime.runtime_of(patched).levels.values() for s in stats.steps}
+    assert steps == {0, 2}
+
+    inputs, replayed = iter([x for x, _ in calls]), []
+
+    def replay(apply_model, args):
+        out = apply_model(next(inputs), args["timestep"], **args["c"])
+        replayed.append(out)
+        return out
+
+    plain = sd15.model.clone()
+    plain.set_model_unet_function_wrapper(replay)
+    sample(plain, "sd15", steps=4)
+    assert len(calls) == len(replayed) == 4  # cfg 1: one model call per step
+    assert [torch.equal(out, again) for (_, out), again in zip(calls, replayed)] == [False, True, False, True]
+
+
 def test_lora_on_a_patched_clone_still_applies(pack, sd15, toma_square, caplog):
     toma = patch(pack, "ToMAPatchModel", sd15.model, **TOMA)
     lora = toma.clone()  # as LoraLoader does after the ToMA node

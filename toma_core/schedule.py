@@ -30,15 +30,17 @@ class StepDecision:
 
 @dataclass
 class ReuseSchedule:
-    """Per block group: merge inside [start_percent, end_percent) of the schedule; recompute destinations
-    every ``reuse_interval`` steps and the merge weights every ``weights_interval`` steps (in between, reuse
-    the last ones). A group is any hashable, e.g. (resolution level, batch layout); the first block of a
+    """Per block group: merge inside [start_percent, end_percent) of the schedule, on every
+    ``merge_every``-th step (steps 0, k, 2k, ...; the others run unmerged, as the official Flux run merges
+    every 3rd step); recompute destinations every ``reuse_interval`` steps and the merge weights every
+    ``weights_interval`` steps (in between, reuse the last ones). A group is any hashable, e.g. (resolution level, batch layout); the first block of a
     group in a step gets the recompute decision, later blocks of that step reuse its plan."""
 
     start_percent: float = 0.0
     end_percent: float = 1.0
     reuse_interval: int = 5
     weights_interval: int = 1
+    merge_every: int = 1
     _last: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -48,6 +50,7 @@ class ReuseSchedule:
             raise ValueError(f"start_percent ({self.start_percent}) must not exceed end_percent ({self.end_percent})")
         _check_interval("reuse_interval", self.reuse_interval)
         _check_interval("weights_interval", self.weights_interval)
+        _check_interval("merge_every", self.merge_every)
 
     def reset(self) -> None:
         """Forget every group's plan history; called at the start of each sampling run."""
@@ -58,7 +61,7 @@ class ReuseSchedule:
         return self.start_percent <= progress and (progress < self.end_percent or self.end_percent >= 1.0)
 
     def decide(self, step: int, progress: float, group: Hashable, total: int | None = None) -> StepDecision:
-        if not self.in_window(progress):
+        if not self.in_window(progress) or step % self.merge_every:
             return StepDecision(False, False, False)
         last = self._last.get(group)
         if last is None or step < last[0] or step - last[0] >= self.reuse_interval:
