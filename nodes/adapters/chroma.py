@@ -1,5 +1,6 @@
 """Adapter for Chroma and Chroma Radiance: Flux's double and single blocks, merged as Flux's are
-(nodes/adapters/dit.py), skipping the same fractions (Chroma keeps Flux's 19 + 38 blocks).
+(nodes/adapters/dit.py; both double-block placements), skipping the same fractions (Chroma keeps Flux's
+19 + 38 blocks).
 
 What differs from Flux does not reach the merge: each block's modulation (``vec``) comes from Chroma's
 distilled-guidance approximator as per-sample (B, 1, C) slices, not per token, so it passes unchanged;
@@ -10,7 +11,7 @@ patch with a NeRF head from the full-length tokens the blocks return.
 Token grid: Chroma's DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (pixels for
 Radiance); ceil(H / patch) tokens per side. Chroma takes no reference images.
 """
-from .dit import DiTPatch, flux_block_groups, layout_wrapper, patch_blocks
+from .dit import DiTPatch, attention_only, flux_block_groups, image_first, layout_wrapper, patch_blocks
 
 FAMILY = "Chroma"
 
@@ -24,10 +25,11 @@ def supports(model) -> bool:
     return isinstance(dm, Chroma) and hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks")
 
 
-def patch(model, runtime, levels=None, scope=None):
-    """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
+def patch(model, runtime, levels=None, scope="auto"):
+    """The patched clone (``levels`` is a UNet notion: a DiT has one token grid); ``scope`` places the
+    double blocks' merge (dit.attention_only)."""
     dm = model.model.diffusion_model
-    blocks = DiTPatch(runtime)
+    blocks = DiTPatch(runtime, attention_only=attention_only(scope, FAMILY), image_first=image_first(dm))
     groups = flux_block_groups(dm, blocks)
     stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model)
     return patch_blocks(model, runtime, FAMILY, groups, stash)

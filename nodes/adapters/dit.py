@@ -2,10 +2,18 @@
 tokens of a model call (current ComfyUI only: the March-2024 tree has no DiT).
 
 What runs merged:
-- Double-stream blocks (image and text streams apart). A replace patch sees only the whole block, so
-  the image stream x (B, N, C) is merged before it and the block's *update* is unmerged onto the
-  full-resolution stream: x + U(block(Mx) - Mx) (``TokenPlan.unmerge_update``). Attention and the image
-  MLP run on merged image tokens; the text stream runs in full.
+- Double-stream blocks (image and text streams apart), in one of two placements (the node's ``scope``):
+  - "block": the image stream x (B, N, C) is merged before the block and the block's *update* is
+    unmerged onto the full-resolution stream: x + U(block(Mx) - Mx) (``TokenPlan.unmerge_update``).
+    Attention and the image MLP run on merged image tokens; the text stream runs in full.
+  - "attention" (the paper's placement; Flux, Chroma and HunyuanVideo double blocks): the block runs on
+    full-length tokens and only its joint attention sees merged image tokens. The replace patch hands
+    the block a copy of its transformer_options with ``optimized_attention_override`` set
+    (``MergedAttention``): ComfyUI's attention functions (``wrap_attn``) call it with q, k, v after
+    RoPE; it merges their image rows, runs the attention and copies each merged token's output back
+    to its sources (U). Projections, modulation and the image MLP run at full resolution. A host
+    without attention overrides gets "block", with a log message.
+  "auto" is ``DIT_DEFAULT_SCOPE``. Other families' blocks and all single blocks merge whole blocks.
 - Single-stream blocks: the block input is [txt, image, extra]; only the image part is merged, and the
   whole block (attention and the parallel MLP) runs on the shorter sequence, as the official code does.
 - Text tokens are never merged, whatever their length (read from the tensors of each call). ``extra``
@@ -49,6 +57,9 @@ from ..runtime import MergeRuntime
 log = logging.getLogger("ComfyUI-ToMA")
 
 LAYOUT_KEY = "comfyui_toma_image_layout"  # transformer_options key, set and removed by the wrapper
+ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
+SCOPES = ("auto", "attention", "block")
+DIT_DEFAULT_SCOPE = "block"  # what scope "auto" means on DiTs; docs/benchmarks.md decides it
 # Fraction of each block group never merged: the paper's 5 of Flux's 19 double and 38 single blocks.
 SKIP_FRACTION = {"double": 5 / 19, "single": 5 / 38}
 
@@ -219,17 +230,111 @@ def splice(seq: torch.Tensor, ranges, parts) -> torch.Tensor:
     return torch.cat(pieces, 1)
 
 
+def attention_override_supported() -> bool:
+    """Whether this ComfyUI's attention functions call ``transformer_options["optimized_attention_override"]``
+    (``wrap_attn``; current ComfyUI)."""
+    try:
+        from comfy.ldm.modules.attention import wrap_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attention_only(scope: str, family: str) -> bool:
+    """Whether the double blocks of ``family`` run only their attention on merged tokens for ``scope`` (a
+    SCOPES value; "auto" means DIT_DEFAULT_SCOPE); "attention" on a host without attention overrides
+    falls back to whole blocks, with a log message."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    if (DIT_DEFAULT_SCOPE if scope == "auto" else scope) != "attention":
+        return False
+    if not attention_override_supported():
+        log.warning("ToMA: this ComfyUI has no attention override (comfy.ldm.modules.attention.wrap_attn); "
+                    "%s double blocks merge whole blocks (scope block)", family)
+        return False
+    return True
+
+
+def image_first(dm) -> bool:
+    """Whether the double blocks' joint attention sequence is [image, txt] (``flipped_img_txt``:
+    HunyuanVideo) rather than [txt, image] (Flux, Chroma)."""
+    return any(getattr(block, "flipped_img_txt", False) for block in dm.double_blocks)
+
+
+class MergedAttention:
+    """``transformer_options["optimized_attention_override"]`` for one double-block call: ComfyUI's attention
+    functions call it as ``override(func, q, k, v, heads, **kwargs)`` in place of ``func``.
+
+    q, k, v: (B, H, L, D) with RoPE applied, L = ``length``; rows [start, start + tokens) are the image
+    grid, merged by ``plan`` on (B, N, H*D) views; ``mask`` is cut to the merged sequence. The output
+    (B, L', H*D) comes back with L rows: each merged token's row is copied back onto its sources (U).
+    ``previous``: the override another patch had set, called in place of ``func`` (stacked). Anything
+    unexpected (another layout, an exception) runs that call unmerged."""
+
+    def __init__(self, runtime: MergeRuntime, plan, start: int, tokens: int, length: int, previous=None):
+        self.runtime, self.plan, self.previous = runtime, plan, previous
+        self.start, self.tokens, self.length = start, tokens, length
+
+    def attend(self, func, *args, **kwargs):
+        if self.previous is None:
+            return func(*args, **kwargs)
+        return self.previous(func, *args, **kwargs)
+
+    def fits(self, q, k, v, args: tuple, kwargs: dict) -> bool:
+        """Whether this is the joint attention the plan was made for: (B, H, L, D) inputs
+        (``skip_reshape``), a (B, L, H*D) output and the mask, if any, passed by name."""
+        return (not args and bool(kwargs.get("skip_reshape")) and not kwargs.get("skip_output_reshape")
+                and all(t.dim() == 4 and t.shape[2] == self.length for t in (q, k, v)))
+
+    def merge(self, q, k, v, mask):
+        begin, end = self.start, self.start + self.tokens
+
+        def merged(t):
+            B, H, _, D = t.shape
+            image = t[:, :, begin:end].transpose(1, 2).reshape(B, self.tokens, H * D)
+            rows = self.plan.merge(image).view(B, -1, H, D).transpose(1, 2)
+            return torch.cat([t[:, :, :begin], rows, t[:, :, end:]], dim=2)
+
+        if mask is not None:
+            index = sequence_index(begin, self.tokens, self.length, self.plan.destination_tokens().to(mask.device))
+            mask = mask[None] if mask.dim() == 2 else mask
+            mask = take_sequence(take_sequence(mask, index, -1, self.length), index, -2, self.length)
+        return (merged(q), merged(k), merged(v)), mask
+
+    def unmerge(self, out):
+        begin, end = self.start, self.start + self.plan.num_merged
+        return torch.cat([out[:, :begin], self.plan.unmerge(out[:, begin:end]), out[:, end:]], dim=1)
+
+    def __call__(self, func, q, k, v, heads, *args, **kwargs):
+        if not self.fits(q, k, v, args, kwargs):
+            self.runtime.notice("a double block's attention call does not have the layout ToMA expects; "
+                                "it runs unmerged")
+            return self.attend(func, q, k, v, heads, *args, **kwargs)
+        try:
+            (mq, mk, mv), mask = self.runtime.timed("merge", lambda _: self.merge(q, k, v, kwargs.get("mask")), None)
+            out = self.attend(func, mq, mk, mv, heads, **{**kwargs, "mask": mask})
+            return self.runtime.timed("unmerge", self.unmerge, out)
+        except Exception as e:  # never crash mid-sampling: this attention call runs unmerged
+            self.runtime.notice("merged attention failed (%s); those calls run unmerged", f"{type(e).__name__}: {e}")
+            return self.attend(func, q, k, v, heads, *args, **kwargs)
+
+
 class DiTPatch:
     """The block patches of one patched DiT clone (signature of ComfyUI's "dit" replace patches:
     ``fn(args, {"original_block": fn}) -> dict`` with full-length tokens in and out).
 
     pe_axis: the token axis of the model's RoPE table ``pe``. merge_references: whether the reference
-    grids of ``ImageLayout.references`` merge too, each by a plan of its own (else they stay whole)."""
+    grids of ``ImageLayout.references`` merge too, each by a plan of its own (else they stay whole).
+    attention_only: double blocks run whole on full-length tokens with only their joint attention merged
+    (``MergedAttention``); image_first: that attention's sequence is [image, txt] (else [txt, image])."""
 
-    def __init__(self, runtime: MergeRuntime, pe_axis: int = 2, merge_references: bool = False):
+    def __init__(self, runtime: MergeRuntime, pe_axis: int = 2, merge_references: bool = False,
+                 attention_only: bool = False, image_first: bool = False):
         self.runtime = runtime
         self.pe_axis = pe_axis
         self.merge_references = merge_references
+        self.attention_only = attention_only
+        self.image_first = image_first
 
     def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict):
         return self.runtime.plan(("dit", group), ("dit", group), grid, tokens,
@@ -244,6 +349,8 @@ class DiTPatch:
         txt_len = 0 if txt is None else txt.shape[1]
         if layout is None or img.shape[1] != layout.total or not positions_fit(args, txt_len, layout, self.pe_axis):
             return run(args)
+        if self.attention_only:
+            return self.attention_merged_call(args, run, txt_len, layout)
         return self.merged_call("double", args, run, 0, txt_len, layout)
 
     def single_block(self, args: dict, extras: dict) -> dict:
@@ -270,6 +377,19 @@ class DiTPatch:
             out.append(((begin, end), self.plan_for(f"{group} reference {k + 1}", seq[:, begin:end], (h, w), options)))
             begin = end
         return out
+
+    def attention_merged_call(self, args: dict, run, txt_len: int, layout: ImageLayout) -> dict:
+        """Run the double block on its full-length streams with its joint attention on merged image
+        tokens: the plan of the grid [lead, lead + tokens) of ``args["img"]`` goes to a MergedAttention
+        in the block's own copy of transformer_options, chained to any override already there."""
+        img, options = args["img"], args["transformer_options"]
+        plan = self.plan_for("double", img[:, layout.lead:layout.lead + layout.tokens], layout.grid, options)
+        if plan is None:
+            return run(args)
+        start = layout.lead + (0 if self.image_first else txt_len)
+        override = MergedAttention(self.runtime, plan, start, layout.tokens, txt_len + layout.total,
+                                   options.get(ATTENTION_OVERRIDE_KEY))
+        return run({**args, "transformer_options": {**options, ATTENTION_OVERRIDE_KEY: override}})
 
     def merged_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout) -> dict:
         """Run the block on ``args["img"]`` with its grid tokens [start, start + layout.tokens) merged (and

@@ -14,7 +14,9 @@ tokens get another modulation vector, given as ranges over the sequence (``modul
 no merged token mixes the two modulations, and the ranges are moved onto the merged sequence (a
 boundary after the video moves back by the tokens merging removed). A range boundary inside the video
 grid (another node's layout) leaves the block unmerged, with a message. The first frame being the
-clean input image, keeping it whole also keeps every frame's attention to it exact.
+clean input image, keeping it whole also keeps every frame's attention to it exact. With scope
+"attention" the double blocks run at full length (only their [lead, video, txt] attention merges the
+video rows), so their modulation ranges stay as they are.
 
 Which blocks: HunyuanVideo's 20 double and 40 single blocks are Flux's two groups, so the paper's Flux
 fractions apply (SKIP_FRACTION: the first 5 double and 5 single blocks never merge).
@@ -27,8 +29,8 @@ import math
 
 import torch
 
-from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, flux_block_groups, layout_wrapper, patch_blocks,
-                  patched_side, sequence_index, take_rows, take_sequence)
+from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, attention_only, flux_block_groups, image_first,
+                  layout_wrapper, patch_blocks, patched_side, sequence_index, take_rows, take_sequence)
 
 FAMILY = "HunyuanVideo"
 MODULATION_KEYS = ("modulation_dims_img", "modulation_dims")  # double block, single block
@@ -106,6 +108,8 @@ class HunyuanVideoPatch(DiTPatch):
         if (layout is None or img.shape[1] != layout.total
                 or not self.fits(args, "modulation_dims_img", txt.shape[1], layout)):
             return run(args)
+        if self.attention_only:
+            return self.attention_merged_call(args, run, txt.shape[1], layout)
         return self.merged_call("double", args, run, layout.lead, txt.shape[1], layout)
 
     def single_block(self, args: dict, extras: dict) -> dict:
@@ -134,10 +138,11 @@ class HunyuanVideoPatch(DiTPatch):
         return out
 
 
-def patch(model, runtime, levels=None, scope=None):
-    """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
+def patch(model, runtime, levels=None, scope="auto"):
+    """The patched clone (``levels`` is a UNet notion: a DiT has one token grid); ``scope`` places the
+    double blocks' merge (dit.attention_only)."""
     dm = model.model.diffusion_model
-    blocks = HunyuanVideoPatch(runtime)
+    blocks = HunyuanVideoPatch(runtime, attention_only=attention_only(scope, FAMILY), image_first=image_first(dm))
     groups = flux_block_groups(dm, blocks)
     stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model,
                            HunyuanLayoutStash)

@@ -1,0 +1,173 @@
+"""Scope "attention" on Flux double blocks (the paper's placement): the block runs on full-length tokens
+and only its joint attention sees merged image tokens, through ComfyUI's attention override. Random-weight
+FLUX_TINY (2 double blocks, the second merged; 3 single blocks, all merged) sampled through ComfyUI's
+own sampler; one test computes a double block by hand.
+"""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toma_bench import comfy_host, dit_checks, models, sampling
+from toma_bench.dit_checks import toma_patched
+from toma_bench.metrics import relative_l2
+
+pytestmark = [pytest.mark.comfy,
+              pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
+
+HW = (27, 39)  # 14x20 tokens: no window of 4 divides it
+OVERRIDE = "optimized_attention_override"
+
+
+@pytest.fixture(scope="module")
+def flux(pack):
+    return models.build_flux(seed=1)
+
+
+def sample(model, batch=1, cfg=1.0, steps=2):
+    conditioning = models.dit_conditioning("flux", models.FLUX_TINY, batch, 77, 0)
+    return sampling.sample(model, conditioning, torch.zeros(batch, 16, *HW), steps=steps, cfg=cfg,
+                           scheduler="simple", seed=0)
+
+
+def attention_scope(pack, model, **inputs):
+    return toma_patched(pack, model, **{"ratio": 0.5, "window": 4, "scope": "attention", **inputs})
+
+
+def test_ratio_zero_is_identical_to_unpatched(pack, flux):
+    dit_checks.check_ratio_zero_identical(pack, flux, lambda m: sample(m, batch=2), advanced={"scope": "attention"})
+
+
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, flux):
+    """Window 2 at ratio 0.1 keeps every token a destination: merging q, k, v only permutes the image rows
+    (each keeps the RoPE it was given), so attention and the unmerged output match the unpatched model;
+    cfg 2 with batch 2 runs cond and uncond rows together."""
+    patched, runtime = attention_scope(pack, flux, ratio=0.1, window=2)
+    dit_checks.check_merging_only_permutes(patched, flux, lambda m: sample(m, batch=2, cfg=2.0))
+    levels = runtime.summary()["levels"]
+    assert sorted(levels) == ["double 14x20", "single 14x20"] and all(v["steps"] == 2 for v in levels.values())
+
+
+def test_half_ratio_stays_close_and_differs_from_block_scope(pack, flux):
+    """Ratio 0.5: changed, but little (measured: 2.0% relative L2, whole blocks 2.5%; the bound leaves a
+    margin of five), and not the whole-block result; the override never stays in the model's options."""
+    patched, runtime = attention_scope(pack, flux)
+    out, _ = dit_checks.check_half_ratio_merges((patched, runtime), flux, sample,
+                                                ["double 14x20", "single 14x20"], 14 * 20, bound=0.1)
+    block, _ = toma_patched(pack, flux, scope="block")
+    assert relative_l2(out, sample(block)) > 1e-4
+    assert OVERRIDE not in patched.model_options.get("transformer_options", {})
+
+
+def test_an_override_already_set_is_chained(pack, flux):
+    """Another patch's attention override (set in model_options, as nodes set it) still sees every
+    attention call, the merged double block's on the merged sequence, and stays the model's override."""
+    lengths = []
+
+    def counting(func, q, k, v, heads, *args, **kwargs):
+        lengths.append(q.shape[2])
+        return func(q, k, v, heads, *args, **kwargs)
+
+    counted = flux.clone()
+    counted.model_options.setdefault("transformer_options", {})[OVERRIDE] = counting
+    sample(counted, steps=1)
+    plain = list(lengths)
+    lengths.clear()
+    patched, runtime = attention_scope(pack, counted)
+    options_before = dict(patched.model_options["transformer_options"])
+    sample(patched, steps=1)
+    merged = 77 + runtime.summary()["levels"]["double 14x20"]["merged_tokens"]
+    assert plain == [77 + 14 * 20] * 5  # 2 double blocks, 3 single blocks
+    assert lengths == [77 + 14 * 20] + [merged] * 4  # double 0 unmerged; double 1 and the single blocks merged
+    assert patched.model_options["transformer_options"] == options_before
+    assert patched.model_options["transformer_options"][OVERRIDE] is counting
+
+
+def test_host_without_attention_override_merges_whole_blocks(pack, flux, monkeypatch, caplog):
+    dit = pack.nodes.adapters.dit
+    block, _ = toma_patched(pack, flux, scope="block")
+    monkeypatch.setattr(dit, "attention_override_supported", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
+        fallback, _ = attention_scope(pack, flux)
+        out = sample(fallback)
+    assert torch.equal(out, sample(block))
+    assert sum("no attention override" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_failing_merge_runs_the_attention_unmerged(pack, flux, monkeypatch, caplog):
+    """An exception inside the override (here from merging) never stops sampling: that attention call
+    runs unmerged, and the log says so once."""
+    dit = pack.nodes.adapters.dit
+
+    def broken(self, q, k, v, mask):
+        raise RuntimeError("merge broke")
+
+    monkeypatch.setattr(dit.MergedAttention, "merge", broken)
+    patched, _ = attention_scope(pack, flux)
+    with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
+        out = sample(patched)
+    assert torch.isfinite(out).all()
+    assert sum("merge broke" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_one_double_block_by_hand(pack, flux):
+    """Flux double block 1 through the patch, against the block written out: modulation, projections and
+    both MLPs on full-length streams; the joint attention on [txt, M q_img] etc. with RoPE applied
+    before merging; the image part of its output unmerged (U) before the output projection."""
+    from comfy.ldm.flux.layers import apply_mod
+    from comfy.ldm.flux.math import apply_rope
+
+    dit, dm = pack.nodes.adapters.dit, flux.model.diffusion_model
+    block, (h, w), txt_len, B = dm.double_blocks[1], (6, 5), 7, 2
+    g = torch.Generator().manual_seed(3)
+    r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    ids = torch.cat([torch.zeros(txt_len, 3), torch.stack([torch.zeros_like(r), r, c], -1).view(-1, 3).float()])
+    pe = dm.pe_embedder(ids[None].expand(B, -1, -1))
+    C, H = dm.hidden_size, dm.num_heads
+    img, txt = torch.randn(B, h * w, C, generator=g), torch.randn(B, txt_len, C, generator=g)
+    vec = torch.randn(B, C, generator=g)
+
+    def original(a):
+        out = block(img=a["img"], txt=a["txt"], vec=a["vec"], pe=a["pe"], attn_mask=a["attn_mask"],
+                    transformer_options=a["transformer_options"])
+        return dict(zip(("img", "txt"), out))
+
+    args = {"img": img.clone(), "txt": txt.clone(), "vec": vec, "pe": pe, "attn_mask": None,
+            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: dit.ImageLayout(h, w)}}
+    _, runtime = attention_scope(pack, flux)
+    with torch.no_grad():
+        got = dit.DiTPatch(runtime, attention_only=True).double_block(args, {"original_block": original})
+        unmerged = original({**args, "img": img.clone(), "txt": txt.clone()})
+        (plan,) = runtime.plans.values()
+        assert plan.num_merged < h * w
+
+        img_mod1, img_mod2 = block.img_mod(vec)
+        txt_mod1, txt_mod2 = block.txt_mod(vec)
+
+        def qkv(attn, norm, mod, x):
+            x = attn.qkv(apply_mod(norm(x), 1 + mod.scale, mod.shift))
+            q, k, v = x.view(B, x.shape[1], 3, H, -1).permute(2, 0, 3, 1, 4)
+            q, k = attn.norm(q, k, v)
+            return q, k, v
+
+        def merged_rows(t):  # (B, H, N, D) image rows -> (B, H, N', D)
+            rows = plan.merge(t.transpose(1, 2).reshape(B, h * w, -1))
+            return rows.view(B, -1, H, t.shape[-1]).transpose(1, 2)
+
+        (tq, tk, tv), (iq, ik, iv) = qkv(block.txt_attn, block.txt_norm1, txt_mod1, txt), \
+            qkv(block.img_attn, block.img_norm1, img_mod1, img)
+        q, k = apply_rope(torch.cat([tq, iq], 2), torch.cat([tk, ik], 2), pe)
+        q, k, v = (torch.cat([t[:, :, :txt_len], merged_rows(t[:, :, txt_len:])], 2)
+                   for t in (q, k, torch.cat([tv, iv], 2)))
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, q.shape[2], -1)
+        txt_attn, img_attn = attn[:, :txt_len], plan.unmerge(attn[:, txt_len:])
+        img_out = img + apply_mod(block.img_attn.proj(img_attn), img_mod1.gate)
+        img_out = img_out + apply_mod(block.img_mlp(apply_mod(block.img_norm2(img_out), 1 + img_mod2.scale,
+                                                              img_mod2.shift)), img_mod2.gate)
+        txt_out = txt + apply_mod(block.txt_attn.proj(txt_attn), txt_mod1.gate)
+        txt_out = txt_out + apply_mod(block.txt_mlp(apply_mod(block.txt_norm2(txt_out), 1 + txt_mod2.scale,
+                                                              txt_mod2.shift)), txt_mod2.gate)
+
+    assert torch.allclose(got["img"], img_out, atol=1e-5) and torch.allclose(got["txt"], txt_out, atol=1e-5)
+    assert not torch.allclose(got["img"], unmerged["img"], atol=1e-3)  # the merge changes the block
