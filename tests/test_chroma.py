@@ -75,6 +75,20 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, chroma):
     assert sorted(runtime.summary()["levels"]) == ["double 14x20", "single 14x20"]
 
 
+def test_attention_scope_merges_only_the_double_blocks_attention(pack, chroma):
+    """Scope "attention" on Chroma's double blocks (text first, in-place block updates): with every token
+    a destination the output matches the unpatched model; at ratio 0.5 it stays close and differs from
+    the whole-block merge."""
+    exact, _ = dit_checks.toma_patched(pack, chroma, ratio=0.1, window=2, scope="attention")
+    dit_checks.check_merging_only_permutes(exact, chroma, lambda m: sample(m, SIZES["odd"], batch=2, cfg=2.0))
+    def run(m):
+        return sample(m, SIZES["odd"])
+
+    out, _ = dit_checks.check_half_ratio_merges(dit_checks.toma_patched(pack, chroma, scope="attention"), chroma,
+                                                run, ["double 14x20", "single 14x20"], 14 * 20, bound=0.15)
+    assert relative_l2(out, run(dit_checks.toma_patched(pack, chroma, scope="block")[0])) > 1e-4
+
+
 LORA_KEY = "diffusion_model.single_blocks.2.linear2.weight"  # inside a merged block
 
 

@@ -110,6 +110,36 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, va
     assert sorted(runtime.summary()["levels"]) == [f"double {frames}x7x11", f"single {frames}x7x11"]
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_attention_scope_merging_into_every_token_reproduces_the_unpatched_model(pack, model, variant):
+    """Scope "attention": the double blocks run at full length and only their [lead, video, txt] attention
+    merges the video rows (image first: ``flipped_img_txt``); with every token a destination that only
+    permutes, so the output matches the unpatched model, lead tokens and modulation ranges included; a
+    text mask (one key row) is cut to the merged sequence."""
+    inputs = VARIANTS[variant]
+    mask = torch.ones(1, 77, dtype=torch.long)
+    mask[:, 47:] = 0
+    if variant == "text-to-video":
+        inputs = {"text_mask": mask}  # ComfyUI's HunyuanVideo takes a text mask for batch 1
+    patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, scope="attention")
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, **inputs))
+    frames = 4 if "first_frame" in inputs else 5
+    assert sorted(runtime.summary()["levels"]) == [f"double {frames}x7x11", f"single {frames}x7x11"]
+
+
+def test_attention_scope_half_ratio_keeps_the_first_frame(pack, model):
+    """Image-to-video v2, scope "attention", ratio 0.5: close to the unpatched output, the input frame kept,
+    and not the whole-block result."""
+    first = image_latent("odd")
+    patched, _ = toma_patched(pack, model, scope="attention")
+    out = sample(patched, first_frame=first, guiding_frame_index=0)
+    reference = sample(model, first_frame=first, guiding_frame_index=0)
+    assert torch.isfinite(out).all() and 0.0 < relative_l2(out, reference) < 0.1
+    assert torch.allclose(out[:, :, 0], reference[:, :, 0])
+    block, _ = toma_patched(pack, model, scope="block")
+    assert relative_l2(out, sample(block, first_frame=first, guiding_frame_index=0)) > 1e-4
+
+
 def test_image_to_video_keeps_the_first_frame_unmerged(pack, model):
     """Image-to-video v2 at ratio 0.5: only the 4 generated latent frames merge, the first (the input
     image, with its own modulation) stays whole; the output is finite and keeps the input frame."""
