@@ -60,6 +60,14 @@ def test_half_ratio_stays_close_and_differs_from_block_scope(pack, flux):
     assert OVERRIDE not in patched.model_options.get("transformer_options", {})
 
 
+def test_auto_scope_is_the_dit_default(pack, flux):
+    """The basic node and scope "auto" place the merge as DIT_DEFAULT_SCOPE says."""
+    default = pack.nodes.adapters.dit.DIT_DEFAULT_SCOPE
+    expected = sample(toma_patched(pack, flux, scope=default)[0])
+    assert torch.equal(sample(toma_patched(pack, flux, scope="auto")[0]), expected)
+    assert torch.equal(sample(toma_patched(pack, flux)[0]), expected)
+
+
 def test_an_override_already_set_is_chained(pack, flux):
     """Another patch's attention override (set in model_options, as nodes set it) still sees every
     attention call, the merged double block's on the merged sequence, and stays the model's override."""

@@ -357,6 +357,13 @@ def attention_diff(model, key, seed, scale=0.1):
 LORA_KEY = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_v.weight"  # a 1/1 level block
 
 
+def test_auto_scope_is_attention_on_unets(pack, sd15, toma_square):
+    """The basic node (toma_square) and the Advanced node's default scope "auto" merge self-attention only."""
+    for scope in ("auto", "attention"):
+        assert torch.equal(sample(patch(pack, "ToMAPatchModelAdvanced", sd15.model, **advanced(scope=scope)), "sd15"),
+                           toma_square)
+
+
 def test_merge_every_second_step_runs_the_unpatched_model_on_odd_steps(pack, sd15):
     """merge_every 2 over 4 steps: steps 0 and 2 merge; on steps 1 and 3 the patched model is the unpatched
     one: fed the inputs the patched run saw, the unpatched model returns exactly its outputs there."""
