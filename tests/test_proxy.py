@@ -13,9 +13,8 @@ import sys
 import pytest
 import torch
 
-import comfy_host
-from toma_bench import proxy
-from toma_bench.flux import has_flux
+from toma_bench import comfy_host, proxy
+from toma_bench.comfy_host import has_flux
 
 REPO = comfy_host.REPO
 HELDOUT_CROPS_IN_TESTS = 6

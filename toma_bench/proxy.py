@@ -487,7 +487,7 @@ def save_grid(images: torch.Tensor, path: Path, columns: int = 4, zoom: int = 2)
 # -- command line -------------------------------------------------------------------------------------
 def import_comfy() -> Path:
     """ComfyUI on CPU with PyTorch attention: ``$COMFYUI_PATH``, else <repo>/.comfyui-current."""
-    from .flux import import_comfy as import_core
+    from .comfy_host import import_core
 
     root = import_core("cpu", require_flux=False)
     import logging
