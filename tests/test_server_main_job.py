@@ -105,6 +105,15 @@ def test_busy_warnings(load_before, load_after, cores, threads, runs, expected):
         assert "wall-time ratios are unreliable" in warnings[-1] and "CPU-time columns" in warnings[-1]
 
 
+def test_verdict_ranks_by_cpu_time_not_wall_time():
+    """The issue's run: on a busy machine ToMA's wall time said 0.61x while its CPU time said 1.13x."""
+    timing = main_job.Timing
+    timings = {"unpatched": [timing(10.0, 9.0), timing(10.0, 9.0)], "toma": [timing(16.4, 8.0), timing(16.4, 8.0)],
+               "tomesd": [timing(14.7, 9.9), timing(14.7, 9.9)]}
+
+    assert main_job.verdict(timings) == "by CPU time, against unpatched: ToMA 1.12x faster, ToMeSD 1.10x slower"
+
+
 @pytest.mark.comfy  # looks in the tree's models/checkpoints (imports nothing from it)
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="nope.safetensors"):

@@ -350,8 +350,8 @@ def verdict(timings: dict) -> str:
     """The merged methods ranked by CPU time (the server runs on the CPU), each faster or slower."""
     ranked = sorted((speedup(timings, label, "cpu")[0], LABELS.get(label, label)) for label in timings
                     if label != "unpatched")[::-1]
-    parts = [f"{name} {ratio:.2f}x faster" if ratio >= 1 else f"{name} {1 / ratio:.2f}x slower"
-             for ratio, name in ranked]
+    parts = [f"{name} as fast (1.00x)" if f"{ratio:.2f}" == "1.00" else f"{name} {ratio:.2f}x faster" if ratio > 1
+             else f"{name} {1 / ratio:.2f}x slower" for ratio, name in ranked]
     return "by CPU time, against unpatched: " + ", ".join(parts)
 
 
