@@ -76,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", type=int, help="picture width and height in pixels (default: 64 for the proxy, a "
                    f"multiple of {PROXY_SIZE_STEP}; 512 for --ckpt, a multiple of 8)")
     p.add_argument("--steps", type=int, help="sampler steps (default: 20 for the proxy, 10 for --ckpt)")
-    p.add_argument("--cfg", type=float, help="(default: 1.0 for the proxy, which is unconditional; 7.0 for --ckpt)")
+    p.add_argument("--cfg", type=float, help="classifier-free guidance scale (default: 1.0 for the proxy, which "
+                   "is unconditional; 7.0 for --ckpt)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, help="rounds of timed runs (default: 5 for the proxy, 3 for --ckpt); "
                    "round r runs every method from seed+r (a new seed defeats ComfyUI's cache), the table "
