@@ -1,7 +1,6 @@
 """``python -m toma_bench.main_job`` end to end (on a tiny proxy file and on a tiny checkpoint), its graphs,
 its run order and its busy-machine warnings."""
 import json
-import math
 
 import numpy as np
 import pytest
@@ -159,9 +158,10 @@ def test_main_job_on_a_proxy_runs_interleaved_rounds_and_draws_differences(comfy
     assert rows["unpatched"][1] == rows["unpatched"][4] == "1.00x" and rows["unpatched"][6] == "-"
     for name, (wall, wall_speedup, wall_rounds, cpu, cpu_speedup, cpu_rounds, psnr) in rows.items():
         assert float(wall) > 0 and float(cpu) > 0
-        assert math.isclose(float(wall_speedup[:-1]), float(rows["unpatched"][0]) / float(wall), rel_tol=0.02)
-        low, high = map(float, cpu_rounds[:-1].split("-"))
-        assert low <= float(cpu_speedup[:-1]) * 1.01 and float(cpu_speedup[:-1]) <= high * 1.01
+        # with 2 rounds the ratio of medians is (a1 + a2) / (b1 + b2), between the two per-round ratios
+        for speedup, rounds in ((wall_speedup, wall_rounds), (cpu_speedup, cpu_rounds)):
+            low, high = map(float, rounds[:-1].split("-"))
+            assert low - 0.01 <= float(speedup[:-1]) <= high + 0.01, (name, speedup, rounds)
     images = {label: np.asarray(Image.open(output / f"{label}.png").convert("RGB"))
               for label in ("unpatched", "toma", "tomesd")}
     assert all(image.shape == (64, 64, 3) for image in images.values())
