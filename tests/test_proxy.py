@@ -1,0 +1,166 @@
+"""The trained proxy models (toma_bench.proxy): the training script stays alive, the shipped weights load in
+the ComfyUI under test, denoise held-out pictures far better than their random initialisation, and
+ComfyUI's sampler draws pictures from noise with them.
+
+The held-out loss here uses the first HELDOUT_CROPS_IN_TESTS crops of the held-out set (all noise levels)
+to keep each test under a minute; ``python -m toma_bench.proxy check`` uses all of them.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from toma_bench import comfy_host, proxy
+from toma_bench.comfy_host import has_flux
+
+REPO = comfy_host.REPO
+HELDOUT_CROPS_IN_TESTS = 6
+
+
+def host_has_flux() -> bool:
+    try:
+        return has_flux(comfy_host.comfy_root())
+    except RuntimeError:
+        return False
+
+
+needs_flux = pytest.mark.skipif(not host_has_flux(), reason="this ComfyUI has no comfy.ldm.flux (Flux exists only in "
+                                "current ComfyUI: set COMFYUI_PATH, e.g. to the .comfyui-current of tests/setup_current.sh)")
+
+
+def heldout_subset(arch: str):
+    x0, noise, fractions = proxy.heldout_set(arch)
+    n = HELDOUT_CROPS_IN_TESTS * len(proxy.HELDOUT_LEVELS)
+    return x0[:n], noise[:n], fractions[:n]
+
+
+def total_variation(images: torch.Tensor) -> float:
+    """Mean absolute difference of horizontally and vertically adjacent pixels of IMAGE (B, H, W, C)."""
+    return float((images[:, 1:] - images[:, :-1]).abs().mean() + (images[:, :, 1:] - images[:, :, :-1]).abs().mean()) / 2
+
+
+# -- no ComfyUI -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [2, 4])
+def test_codec_is_orthogonal_and_invertible(block):
+    pixels = torch.rand(3, 1, 8 * block, 8 * block, generator=torch.Generator().manual_seed(block)) * 2 - 1
+    latents = proxy.encode(pixels, block)
+    assert latents.shape == (3, block * block, 8, 8)
+    torch.testing.assert_close(proxy.decode(latents, block), pixels, atol=1e-5, rtol=0)
+    # an orthogonal map keeps the energy: the latent's RMS is DATA_SCALE times the pixels'
+    assert math.isclose(float(latents.pow(2).mean().sqrt()), proxy.DATA_SCALE * float(pixels.pow(2).mean().sqrt()),
+                        rel_tol=1e-5)
+    # every channel mixes every pixel of its block (no channel is a plain pixel or a block mean)
+    assert (proxy.codec_matrix(block * block).abs() > 1e-3).all()
+
+
+def test_crops_are_seeded_and_come_from_the_photographs():
+    images = proxy.source_images(proxy.TRAIN_IMAGES)
+    a = proxy.random_crops(images, 4, 64, torch.Generator().manual_seed(5))
+    b = proxy.random_crops(images, 4, 64, torch.Generator().manual_seed(5))
+    c = proxy.random_crops(images, 4, 64, torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.shape == (4, 1, 64, 64) and a.min() >= -1 and a.max() <= 1
+    assert float(a.std(dim=(1, 2, 3)).min()) > 0.01  # pictures, not blank crops
+    assert not set(proxy.TRAIN_IMAGES) & set(proxy.HELDOUT_IMAGES)
+
+
+@pytest.mark.parametrize("argv, bad", [
+    (["train", "--arch", "sd15", "--steps", "0"], "--steps"),
+    (["train", "--arch", "sd15", "--batch", "two"], "--batch"),
+    (["train", "--arch", "sd15", "--lr", "0"], "--lr"),
+    (["train", "--arch", "sd3"], "--arch"),
+    (["check", "--arch", "sd15,sdxl"], "--arch"),
+])
+def test_cli_errors_name_the_bad_argument(argv, bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        proxy.main(argv)
+    assert exc.value.code == 2
+    assert bad in capsys.readouterr().err
+
+
+# -- ComfyUI ------------------------------------------------------------------------------------------
+def test_train_command_runs_and_changes_the_weights(comfy, tmp_path):
+    """A few steps of the tiny SD1.x config through the command line, in the ComfyUI under test."""
+    out = tmp_path / "tiny.safetensors"
+    env = dict(os.environ, COMFYUI_PATH=str(comfy))
+    done = subprocess.run([sys.executable, "-m", "toma_bench.proxy", "train", "--arch", "sd15", "--size", "tiny",
+                           "--steps", "3", "--batch", "2", "--log-every", "1", "--seed", "3", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = proxy.read_metadata(out)
+    assert meta["arch"] == "sd15" and meta["unet_config"] == proxy.SD15_TINY
+    history = meta["training"]["history"]
+    assert [row["step"] for row in history] == [1, 2, 3]
+    assert all(math.isfinite(row["train_loss"]) and math.isfinite(row["heldout_loss"]) for row in history)
+
+    trained = proxy.load(out).model.diffusion_model.state_dict()
+    start = proxy.build("sd15", proxy.SD15_TINY, seed=3, zero_outputs=True).model.diffusion_model.state_dict()
+    assert trained.keys() == start.keys()
+    changed = [k for k in start if not torch.equal(trained[k], start[k].half().float())]
+    assert len(changed) > len(start) // 2, f"only {len(changed)} of {len(start)} tensors changed"
+
+
+@needs_flux
+def test_flux_trains_through_comfyui_in_place_blocks(comfy):
+    """ComfyUI's Flux blocks add residuals in place; trainable() must let autograd through them, and
+    leave the model as it was."""
+    from comfy.ldm.flux.layers import SingleStreamBlock
+
+    model, history = proxy.train("flux", proxy.FLUX_TINY, steps=2, batch=2, lr=1e-3, seed=1, log_every=2,
+                                 progress=lambda line: None)
+    assert len(history) == 1 and math.isfinite(history[0]["train_loss"])
+    start = proxy.build("flux", proxy.FLUX_TINY, seed=1, zero_outputs=True).model.diffusion_model.state_dict()
+    trained = model.model.diffusion_model.state_dict()
+    assert any(not torch.equal(trained[k], start[k]) for k in start)
+    block = next(m for m in model.model.diffusion_model.modules() if isinstance(m, SingleStreamBlock))
+    assert not isinstance(block.pre_norm, proxy.CopyInput)
+
+
+def check_shipped(model, arch: str, max_ratio: float):
+    heldout = heldout_subset(arch)
+    config = proxy.read_metadata(proxy.PROXY_DIR / proxy.SPECS[arch].file)["unet_config"]
+    trained = proxy.heldout_loss(model, heldout=heldout)
+    random_init = proxy.heldout_loss(proxy.build(arch, config, seed=0), heldout=heldout)
+    assert math.isfinite(trained)
+    assert trained < max_ratio * random_init, f"held-out loss {trained:.4f} vs random init {random_init:.4f}"
+
+
+def check_samples(model):
+    """Pictures from noise: in range, and as smooth as photographs rather than as noise (the total
+    variation of decoded noise is far higher)."""
+    samples = proxy.sample(model, seed=0, batch=2, steps=8)
+    images = proxy.latent_to_images(model, samples)
+    noise = proxy.latent_to_images(model, model.model.process_latent_out(torch.randn(
+        samples.shape, generator=torch.Generator().manual_seed(1))))
+    assert torch.isfinite(images).all() and images.shape[0] == 2
+    assert total_variation(images) < 0.4 * total_variation(noise)
+    assert float(images.std()) > 0.02  # not a flat grey
+
+
+def test_shipped_unet_proxy_denoises_and_samples(comfy):
+    model = proxy.load_unet()
+    assert model.model.model_config.unet_config["channel_mult"] == proxy.SD15_PROXY["channel_mult"]
+    check_shipped(model, "sd15", max_ratio=0.5)
+    check_samples(model)
+
+
+@needs_flux
+def test_shipped_flux_proxy_denoises_and_samples(comfy):
+    model = proxy.load_flux()
+    dm = model.model.diffusion_model
+    assert (len(dm.double_blocks), len(dm.single_blocks)) == (proxy.FLUX_PROXY["depth"],
+                                                                proxy.FLUX_PROXY["depth_single_blocks"])
+    check_shipped(model, "flux", max_ratio=0.5)
+    check_samples(model)
+
+
+def test_latent_round_trip_through_comfyui_latent_format(comfy):
+    """images_to_latent then latent_to_images gives the gray picture back (through process_latent_out/in)."""
+    model = proxy.build("sd15", proxy.SD15_TINY)
+    gray = torch.rand(2, 16, 16, 1, generator=torch.Generator().manual_seed(0))
+    samples = proxy.images_to_latent(model, gray.repeat(1, 1, 1, 3))
+    assert samples.shape == (2, 4, 8, 8)
+    torch.testing.assert_close(proxy.latent_to_images(model, samples), gray.repeat(1, 1, 1, 3), atol=1e-5, rtol=0)
