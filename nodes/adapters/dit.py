@@ -234,10 +234,10 @@ def attention_override_supported() -> bool:
     """Whether this ComfyUI's attention functions call ``transformer_options["optimized_attention_override"]``
     (``wrap_attn``; current ComfyUI)."""
     try:
-        from comfy.ldm.modules.attention import wrap_attn  # noqa: F401
+        import comfy.ldm.modules.attention as attention
     except ImportError:
         return False
-    return True
+    return hasattr(attention, "wrap_attn")
 
 
 def attention_only(scope: str, family: str) -> bool:
