@@ -24,8 +24,8 @@ Sets (``--set``): ``methods`` sweeps each method's knob (ToMA ratio for both sco
 CA-ToMe threshold, ComfyUI's ToMe ratio; on Flux, ToMA's two double-block placements and the
 merge-every-k-th-step schedule); ``toma`` varies ToMA's other settings around the node defaults
 (window size, reuse interval, levels, merge-every-k) at ratio 0.5 and 0.75, for choosing the defaults.
-Output: a table, a plot (``<out>/curves_<arch>_<set>.png``: CPU-time speed-up vs PSNR and vs SSIM, a
-line per method) and a picture grid (``<out>/curves_<arch>_<set>_samples.png``).
+Output: a table, a plot (``<out>/curves_<arch>_<set>_<side>.png``: CPU-time speed-up vs PSNR and vs SSIM, a
+line per method) and a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``).
 """
 import argparse
 import datetime
@@ -284,6 +284,12 @@ def parse_args(argv):
     return args
 
 
+def command_line(args) -> str:
+    """The command that reproduces this run's numbers (every option that changes them)."""
+    return (f"python -m toma_bench.curves --arch {args.arch} --set {args.set} --side {args.side} --batch {args.batch} "
+            f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -305,6 +311,7 @@ def main(argv=None) -> None:
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
           f"{os.cpu_count()} CPUs, load {load[0]:.1f}; torch {torch.__version__}, {args.threads} thread(s); ComfyUI "
           f"{'current' if comfy_host.is_current_comfy() else 'March 2024'} ({root.name}), SDPA", flush=True)
+    print(f"command: {command_line(args)}")
     print(f"{args.arch} proxy {path.name}; {args.batch} pictures of latent {args.side}x{args.side} ({tokens} image "
           f"tokens at full resolution), euler/{spec.scheduler} {args.steps} steps, cfg 1, seed {SEED}; "
           f"{len(variants)} variants, {args.repeats} timed rounds", flush=True)
@@ -313,13 +320,11 @@ def main(argv=None) -> None:
     print(f"load after: {os.getloadavg()[0]:.1f}\n")
     print(table(rows), flush=True)
     if args.out:
-        out = Path(args.out)
-        command = f"python -m toma_bench.curves --arch {args.arch} --set {args.set}"
-        plot(rows, out / f"curves_{args.arch}_{args.set}.png",
-             f"{args.arch} proxy, {args.batch}x latent {args.side}, {args.steps} steps, {args.threads} thread(s): {command}")
-        sample_grid(rows, pictures, out / f"curves_{args.arch}_{args.set}_samples.png")
-        print(f"\nplot: {out / f'curves_{args.arch}_{args.set}.png'}; pictures: "
-              f"{out / f'curves_{args.arch}_{args.set}_samples.png'}")
+        stem = Path(args.out) / f"curves_{args.arch}_{args.set}_{args.side}"
+        plot(rows, stem.with_name(stem.name + ".png"), f"{args.arch} proxy, {args.batch} pictures of latent "
+             f"{args.side}x{args.side}, {args.steps} steps, {args.threads} thread(s): {command_line(args)}")
+        sample_grid(rows, pictures, stem.with_name(stem.name + "_samples.png"))
+        print(f"\nplot: {stem}.png; pictures: {stem}_samples.png")
 
 
 if __name__ == "__main__":
