@@ -1,0 +1,331 @@
+"""Speed-vs-fidelity curves on the trained proxies: each method's knob swept, compared at equal speed.
+
+    python -m toma_bench.curves [--arch sd15|flux] [--set methods|toma] [--side 32] [--batch 4] [--steps 20]
+                                [--repeats 5] [--threads 1] [--out DIR]
+
+The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x-layout UNet or Flux DiT, trained
+here on photographs), so a merge that damages the model shows in pictures. Every variant is the proxy
+patched by the pack's node (or ComfyUI's own ``TomePatchModel``) and draws the same ``--batch`` pictures
+from the same seeded noise through ``comfy.sample.sample`` (euler, the proxy's scheduler, cfg 1: the
+proxies are unconditional, so one model call per step).
+
+Fidelity, against the unpatched run: PSNR and SSIM of the decoded pictures, relative L2 of the sampled
+latents. Runs are deterministic (checked: every timed run must reproduce the first run's latents
+bit for bit), so the fidelity columns reproduce to the digit.
+
+Speed: the process CPU time and the wall time of whole sampling runs. After one untimed run per variant
+(the fidelity run, which also warms up), ``--repeats`` rounds run every variant once, in an order
+rotated each round, so a slow spell of a shared machine hits all of them alike. A variant's speed-up
+is the median over rounds of unpatched time / variant time within the round; the spread is the
+lowest and highest of those ratios. Rank by CPU time on a shared CPU: other jobs inflate wall time,
+not the process's CPU time (use one thread: a descheduled OpenMP thread stalls the others).
+
+Sets (``--set``): ``methods`` sweeps each method's knob (ToMA ratio for both scopes, ToMeSD ratio,
+CA-ToMe threshold, ComfyUI's ToMe ratio; on Flux, ToMA's two double-block placements and the
+merge-every-k-th-step schedule); ``toma`` varies ToMA's other settings around the node defaults
+(window size, reuse interval, levels, merge-every-k) at ratio 0.5 and 0.75, for choosing the defaults.
+Output: a table, a plot (``<out>/curves_<arch>_<set>_<side>.png``: CPU-time speed-up vs PSNR and vs SSIM, a
+line per method) and a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``).
+"""
+import argparse
+import datetime
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import comfy_host, proxy, sampling
+from .metrics import psnr, relative_l2, ssim
+from .tables import format_cell, format_table
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "docs"
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Variant:
+    family: str  # the line it belongs to in the plot: "unpatched", "ToMA attention", "ToMeSD", ...
+    setting: str  # the knob's value, e.g. "r=0.5", "t=0.7"
+    patch: Callable  # proxy MODEL -> patched MODEL
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} {self.setting}".strip()
+
+
+def node_accepts(node_class, name: str) -> bool:
+    types = node_class.INPUT_TYPES()
+    return name in types.get("required", {}) or name in types.get("optional", {})
+
+
+def toma(tn, family: str, setting: str, ratio: float, **inputs) -> Variant:
+    """ToMA through its Advanced node: the node's defaults but for ``ratio`` and ``inputs``."""
+    node = tn.ToMAPatchModelAdvanced()
+    inputs = {"window_size": tn.DEFAULT_WINDOW, "reuse_interval": tn.DEFAULT_REUSE, **inputs}
+    return Variant(family, setting, lambda m: node.patch(m, ratio, **inputs)[0])
+
+
+def builtin_tome(comfy_nodes, model, ratio: float):
+    """ComfyUI's TomePatchModel (V1 ``patch`` in older ComfyUI, V3 ``execute`` in current ComfyUI)."""
+    cls = comfy_nodes.NODE_CLASS_MAPPINGS["TomePatchModel"]
+    if hasattr(cls, "define_schema"):
+        out = cls.execute(model=model, ratio=ratio)
+        return out.args[0] if hasattr(out, "args") else out[0]
+    return getattr(cls(), cls.FUNCTION)(model, ratio)[0]
+
+
+RATIOS = (0.25, 0.5, 0.75)
+THRESHOLDS = (0.95, 0.9, 0.8, 0.7, 0.5)
+
+
+def unet_methods(tn, comfy_nodes) -> list[Variant]:
+    """Each method's knob swept; the ToMe baselines at their best faithful setup: the full-resolution
+    level (max_downsample 1, where ToMA's levels "auto" merges too), one generator per run."""
+    out = [Variant("unpatched", "", lambda m: m)]
+    for scope in ("attention", "block"):
+        out += [toma(tn, f"ToMA {scope}", f"r={r:g}", r, scope=scope) for r in RATIOS]
+    out += [Variant("ToMeSD", f"r={r:g}", lambda m, r=r: tn.ToMeSDPatchModel().patch(m, r)[0]) for r in RATIOS]
+    out += [Variant("CA-ToMe", f"t={t:g}", lambda m, t=t: tn.CAToMePatchModel().patch(m, t)[0]) for t in THRESHOLDS]
+    if comfy_nodes is not None and "TomePatchModel" in comfy_nodes.NODE_CLASS_MAPPINGS:
+        out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: builtin_tome(comfy_nodes, m, r)) for r in RATIOS]
+    return out
+
+
+def toma_settings(tn, arch: str) -> list[Variant]:
+    """ToMA's settings one at a time around the node defaults, at ratios 0.5 and 0.75."""
+    advanced = tn.ToMAPatchModelAdvanced
+    out = [Variant("unpatched", "", lambda m: m)]
+    for r in (0.5, 0.75):
+        out.append(toma(tn, "ToMA defaults", f"r={r:g}", r))
+        out += [toma(tn, f"ToMA window {w}", f"r={r:g}", r, window_size=w) for w in (2, 8)]
+        out += [toma(tn, f"ToMA reuse {k}", f"r={r:g}", r, reuse_interval=k) for k in (1, 10)]
+        if arch == "sd15":
+            out.append(toma(tn, "ToMA levels auto+next", f"r={r:g}", r, levels="auto+next"))
+        if node_accepts(advanced, "merge_every"):
+            out.append(toma(tn, "ToMA merge every 2", f"r={r:g}", r, merge_every=2))
+    return out
+
+
+def dit_methods(tn) -> list[Variant]:
+    """ToMA on Flux: the two double-block placements (whole block merged; attention only, the paper's),
+    each every step and every third step (the official Flux run's schedule). Only ToMA patches DiTs."""
+    advanced = tn.ToMAPatchModelAdvanced
+    scopes = [s for s in ("block", "attention") if s in advanced.INPUT_TYPES()["required"]["scope"][0]]
+    every = (1, 3) if node_accepts(advanced, "merge_every") else (1,)
+    out = [Variant("unpatched", "", lambda m: m)]
+    for scope in scopes:
+        for k in every:
+            extra = {"merge_every": k} if k > 1 else {}
+            family = f"ToMA {scope}" + (f", every {k}th step" if k > 1 else "")
+            out += [toma(tn, family, f"r={r:g}", r, scope=scope, **extra) for r in RATIOS]
+    return out
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    latent: torch.Tensor
+    wall: float
+    cpu: float
+
+
+def sample_once(model, args) -> Run:
+    wall, cpu = time.perf_counter(), time.process_time()
+    with sampling.seeded_global_rngs(SEED):  # ComfyUI's TomePatchModel draws from the global RNGs
+        latent = proxy.sample(model, SEED, args.batch, args.steps, side=args.side)
+    return Run(latent.float(), time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def removed_fraction(pack, model) -> float | None:
+    """Image tokens removed at the merged levels by the last plan of the run, averaged over levels."""
+    try:
+        levels = pack.nodes.runtime.runtime_of(model).levels
+    except ValueError:
+        return None
+    return statistics.mean(1 - s.merged_tokens / s.tokens for s in levels.values()) if levels else 0.0
+
+
+@dataclass
+class Row:
+    variant: Variant
+    cpu: float  # median process CPU seconds of a run
+    wall: float  # median wall seconds of a run
+    cpu_speedup: float  # median over rounds of unpatched / variant CPU time
+    cpu_spread: tuple  # lowest and highest of those ratios
+    wall_speedup: float
+    removed: float | None
+    psnr: float
+    ssim: float
+    latent_rel_l2: float
+
+
+def measure(base, variants: list[Variant], args, pack, progress=print):
+    """Rows (in ``variants`` order; the first is the reference) and the fidelity runs' pictures."""
+    patched = [v.patch(base) for v in variants]
+    first = []
+    for v, m in zip(variants, patched):
+        first.append(sample_once(m, args))
+        progress(f"  {v.label or 'unpatched'}: {first[-1].wall:.1f} s")
+    removed = [removed_fraction(pack, m) for m in patched]
+    runs = [[] for _ in variants]
+    for r in range(args.repeats):
+        start = time.perf_counter()
+        order = list(range(len(variants)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for i in order:
+            run = sample_once(patched[i], args)
+            if not torch.equal(run.latent, first[i].latent):
+                raise RuntimeError(f"{variants[i].label}: a repeat sampled other latents than the first run")
+            runs[i].append(run)
+        progress(f"  round {r + 1}/{args.repeats}: {time.perf_counter() - start:.0f} s, load "
+                 f"{os.getloadavg()[0]:.1f}")
+    pictures = [proxy.latent_to_images(base, run.latent) for run in first]
+    rows = []
+    for i, v in enumerate(variants):
+        cpu_ratios = [u.cpu / x.cpu for u, x in zip(runs[0], runs[i])]
+        wall_ratios = [u.wall / x.wall for u, x in zip(runs[0], runs[i])]
+        rows.append(Row(v, statistics.median(x.cpu for x in runs[i]), statistics.median(x.wall for x in runs[i]),
+                        statistics.median(cpu_ratios), (min(cpu_ratios), max(cpu_ratios)),
+                        statistics.median(wall_ratios), removed[i], psnr(pictures[i], pictures[0]),
+                        ssim(pictures[i], pictures[0]), relative_l2(first[i].latent, first[0].latent)))
+    return rows, pictures
+
+
+# -- output -------------------------------------------------------------------------------------------
+def table(rows: list[Row]) -> str:
+    head = ["variant", "CPU s", "wall s", "CPU speed-up", "spread", "wall speed-up", "removed", "PSNR dB", "SSIM",
+            "latent relL2"]
+    lines = [[r.variant.label, f"{r.cpu:.2f}", f"{r.wall:.2f}", f"{r.cpu_speedup:.3f}x",
+              f"{r.cpu_spread[0]:.2f}-{r.cpu_spread[1]:.2f}", f"{r.wall_speedup:.3f}x",
+              format_cell(r.removed and 100 * r.removed, "{:.0f}%"),
+              "inf" if math.isinf(r.psnr) else f"{r.psnr:.2f}", f"{r.ssim:.4f}", f"{r.latent_rel_l2:.4f}"]
+             for r in rows]
+    return format_table(head, lines)
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    """CPU-time speed-up vs PSNR and vs SSIM, a line per family (its knob's values annotated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys(r.variant.family for r in rows[1:]))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, name in ((axes[0], "psnr", "PSNR of the pictures vs unpatched (dB)"),
+                             (axes[1], "ssim", "SSIM of the pictures vs unpatched")):
+        for k, family in enumerate(families):
+            pts = sorted((r.cpu_speedup, getattr(r, metric), r.variant.setting) for r in rows
+                         if r.variant.family == family)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^vDP*Xh<>"[k % 11], lw=1, ms=4,
+                    label=family, color=f"C{k % 10}")
+            for x, y, s in pts:
+                ax.annotate(s.split("=")[-1], (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6,
+                            color=f"C{k % 10}")
+        ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
+        ax.set_xlabel("speed-up vs unpatched, process CPU time (x)", fontsize=8)
+        ax.set_ylabel(name, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, loc="best")
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def sample_grid(rows: list[Row], pictures: list[torch.Tensor], path: Path, columns: int = 4) -> None:
+    """One row per variant at ratio 0.5 (and the unpatched run, and CA-ToMe at 0.7): its first
+    ``columns`` pictures, labelled."""
+    from PIL import Image, ImageDraw
+
+    keep = [i for i, r in enumerate(rows) if r.variant.setting in ("", "r=0.5", "t=0.7")]
+    zoom, label_w = 2, 190
+    h, w = pictures[0].shape[1:3]
+    canvas = Image.new("RGB", (label_w + columns * (w * zoom + 2), len(keep) * (h * zoom + 2)), "white")
+    draw = ImageDraw.Draw(canvas)
+    for row, i in enumerate(keep):
+        y = row * (h * zoom + 2)
+        draw.text((4, y + h * zoom // 2 - 6), rows[i].variant.label or "unpatched", fill="black")
+        for c in range(min(columns, pictures[i].shape[0])):
+            tile = Image.fromarray((pictures[i][c] * 255).round().byte().numpy())
+            canvas.paste(tile.resize((w * zoom, h * zoom), Image.NEAREST), (label_w + c * (w * zoom + 2), y))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(path)
+
+
+# -- main ---------------------------------------------------------------------------------------------
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m toma_bench.curves", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", choices=list(proxy.SPECS), default="sd15", help="which trained proxy (default sd15)")
+    ap.add_argument("--set", choices=["methods", "toma"], default="methods",
+                    help="methods: every method's knob swept; toma: ToMA's settings around its defaults")
+    ap.add_argument("--side", type=int, default=proxy.LATENT_SIDE,
+                    help=f"latent side (default {proxy.LATENT_SIDE}, the training size)")
+    ap.add_argument("--batch", type=int, default=4, help="pictures per run (default 4)")
+    ap.add_argument("--steps", type=int, default=20, help="euler steps per run (default 20)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds over all variants (default 5)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--proxy", default=None, help="proxy safetensors (default: the shipped one for --arch)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder of the plot and the picture grid ('' for none)")
+    args = ap.parse_args(argv)
+    for name in ("side", "batch", "steps", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run's numbers (every option that changes them)."""
+    return (f"python -m toma_bench.curves --arch {args.arch} --set {args.set} --side {args.side} --batch {args.batch} "
+            f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    root = comfy_host.import_comfy(comfy_host.comfy_root(default=comfy_host.CURRENT_TREE), pytorch_attention=True)
+    logging.getLogger().setLevel(logging.WARNING)  # after ComfyUI's basicConfig(INFO): no per-run chatter
+    pack = comfy_host.load_pack()
+    import nodes as comfy_nodes  # ComfyUI's nodes.py: import_comfy put its tree first on sys.path
+
+    tn = pack.nodes.toma_nodes
+    spec = proxy.spec_of(args.arch)
+    path = Path(args.proxy or proxy.PROXY_DIR / spec.file)
+    base = proxy.load(path)
+    if args.arch == "flux":
+        variants = dit_methods(tn) if args.set == "methods" else toma_settings(tn, args.arch)
+    else:
+        variants = unet_methods(tn, comfy_nodes) if args.set == "methods" else toma_settings(tn, args.arch)
+    tokens = (args.side // (1 if args.arch == "sd15" else 2)) ** 2
+    load = os.getloadavg()
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
+          f"{os.cpu_count()} CPUs, load {load[0]:.1f}; torch {torch.__version__}, {args.threads} thread(s); ComfyUI "
+          f"{'current' if comfy_host.is_current_comfy() else 'March 2024'} ({root.name}), SDPA", flush=True)
+    print(f"command: {command_line(args)}")
+    print(f"{args.arch} proxy {path.name}; {args.batch} pictures of latent {args.side}x{args.side} ({tokens} image "
+          f"tokens at full resolution), euler/{spec.scheduler} {args.steps} steps, cfg 1, seed {SEED}; "
+          f"{len(variants)} variants, {args.repeats} timed rounds", flush=True)
+    with torch.inference_mode():
+        rows, pictures = measure(base, variants, args, pack, progress=lambda s: print(s, flush=True))
+    print(f"load after: {os.getloadavg()[0]:.1f}\n")
+    print(table(rows), flush=True)
+    if args.out:
+        stem = Path(args.out) / f"curves_{args.arch}_{args.set}_{args.side}"
+        plot(rows, stem.with_name(stem.name + ".png"), f"{args.arch} proxy, {args.batch} pictures of latent "
+             f"{args.side}x{args.side}, {args.steps} steps, {args.threads} thread(s): {command_line(args)}")
+        sample_grid(rows, pictures, stem.with_name(stem.name + "_samples.png"))
+        print(f"\nplot: {stem}.png; pictures: {stem}_samples.png")
+
+
+if __name__ == "__main__":
+    main()
