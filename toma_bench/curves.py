@@ -124,7 +124,7 @@ def dit_methods(tn) -> list[Variant]:
     for scope in scopes:
         for k in every:
             extra = {"merge_every": k} if k > 1 else {}
-            family = f"ToMA {scope}" + (f", every {k}th step" if k > 1 else "")
+            family = f"ToMA {scope}" + (f", 1 step in {k}" if k > 1 else "")
             out += [toma(tn, family, f"r={r:g}", r, scope=scope, **extra) for r in RATIOS]
     return out
 
@@ -293,10 +293,14 @@ def command_line(args) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    root = comfy_host.import_comfy(comfy_host.comfy_root(default=comfy_host.CURRENT_TREE), pytorch_attention=True)
+    # ComfyUI's own nodes (its TomePatchModel) only for the UNet's methods: nothing else needs nodes.py
+    builtin_nodes = args.arch == "sd15" and args.set == "methods"
+    root = comfy_host.import_comfy(comfy_host.comfy_root(default=comfy_host.CURRENT_TREE), pytorch_attention=True,
+                                   extra_nodes=builtin_nodes)
     logging.getLogger().setLevel(logging.WARNING)  # after ComfyUI's basicConfig(INFO): no per-run chatter
     pack = comfy_host.load_pack()
-    import nodes as comfy_nodes  # ComfyUI's nodes.py: import_comfy put its tree first on sys.path
+    if builtin_nodes:
+        import nodes as comfy_nodes  # ComfyUI's nodes.py: import_comfy put its tree first on sys.path
 
     tn = pack.nodes.toma_nodes
     spec = proxy.spec_of(args.arch)
@@ -305,7 +309,7 @@ def main(argv=None) -> None:
     if args.arch == "flux":
         variants = dit_methods(tn) if args.set == "methods" else toma_settings(tn, args.arch)
     else:
-        variants = unet_methods(tn, comfy_nodes) if args.set == "methods" else toma_settings(tn, args.arch)
+        variants = unet_methods(tn, comfy_nodes) if builtin_nodes else toma_settings(tn, args.arch)
     tokens = (args.side // (1 if args.arch == "sd15" else 2)) ** 2
     load = os.getloadavg()
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
