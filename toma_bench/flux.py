@@ -106,6 +106,12 @@ def merged_tokens(summary: dict) -> str:
                      for name, v in summary["levels"].items()) or "none merged"
 
 
+def stage_share(summaries: list[dict], stages: list[str]) -> float:
+    """Median over the timed runs of the runtime's seconds in ``stages``, in % of the run's wall time."""
+    timed = [s for s in summaries if s.get("wall_seconds")]
+    return 100 * statistics.median(sum(s["seconds"][k] for k in stages) / s["wall_seconds"] for s in timed)
+
+
 def comma_list(ap, option: str, text: str, convert, allowed: str, valid) -> list:
     """``text`` split on commas, each item through ``convert`` and checked by ``valid``; an argparse error
     naming ``option`` and what it allows otherwise."""
@@ -209,13 +215,8 @@ def main(argv=None) -> None:
             row.update(cpu=statistics.median(c for _, c in variant_runs), cpu_speedup=statistics.median(cpu_ratios),
                        cpu_spread=f"{min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}")
         if summaries:
-            timed = [s for s in summaries if s.get("wall_seconds")]
             row["tokens"] = merged_tokens(summaries[-1])
-
-            def share(kinds):
-                return 100 * statistics.median(sum(s["seconds"][k] for k in kinds) / s["wall_seconds"] for s in timed)
-
-            row["select"], row["merge"] = share(["select"]), share(["merge", "unmerge"])
+            row["select"], row["merge"] = stage_share(summaries, ["select"]), stage_share(summaries, ["merge", "unmerge"])
         rows.append(row)
 
     print(f"load after: {os.getloadavg()[0]:.1f}\n")
