@@ -1,76 +1,104 @@
-"""Flux-architecture benchmark: ToMA on a random-weight Flux sampled through ComfyUI's own sampler.
+"""Flux-architecture speed benchmark: ToMA on a random-weight Flux sampled through ComfyUI's own sampler.
 
-    python -m toma_bench.flux [--device auto|cpu|cuda] [--steps 6] [--ratios 0.25,0.5,0.75] [--repeats 3]
-                              [--latent 64x64] [--tokens 256] [--window 4] [--reuse 5] [--threads N]
+    python -m toma_bench.flux [--device auto|cpu|cuda] [--steps 6] [--ratios R,...] [--scopes block,attention]
+                              [--merge-every 1,3] [--repeats 3] [--latent 64x64] [--tokens 256] [--window 4]
+                              [--reuse 5] [--threads N]
+
+Speed only. The weights are random (nothing can be downloaded here): the timings are those of the
+architecture, while how far merging moves a random model's output says nothing about pictures.
+Fidelity is measured on the trained proxies: ``python -m toma_bench.curves --arch flux``.
 
 CUDA: FLUX.1-dev widths and depths (hidden 3072, 19 double + 38 single blocks) in bf16, a 128x128 latent
 (1024x1024 image, 4096 image tokens) and 512 text tokens. CPU: FLUX_SMALL (hidden 512, 4 double + 8
-single blocks) in fp32, a 64x64 latent (1024 image tokens) and 256 text tokens. The weights are random
-(nothing can be downloaded here): the speed is that of the architecture, and the fidelity columns say
-how far merging moves this model's output, not what it does to images.
+single blocks) in fp32, a 64x64 latent (1024 image tokens) and 256 text tokens.
 
-Every variant (unpatched, then ToMA at each ratio, patched as the ToMA node does with its defaults)
-samples the same img2img job: a structured latent, denoise 0.75, euler, cfg 1. The variants run
-interleaved, repeat after repeat, so a slow spell of a shared machine hits all of them alike. Columns:
-``step ms``: median time between the sampler's step callbacks over all steps but the first (which
-holds the sampler's set-up) of all repeats; ``speed-up``: unpatched step / variant step; ``CPU-time
-speed-up`` (CPU runs): the same from the process's CPU time, which a shared machine's other jobs do
-not inflate (use one thread there: a descheduled OpenMP thread stalls the others); ``select %``
-and ``merge %``: the runtime's own clocks (destination selection; merge + unmerge + position gathers),
-in % of the run's wall time; ``rel L2 x0``: relative L2 distance to unpatched of the model's denoised
-output at the first step (the model output on a structured latent); ``rel L2 out``: of the sampled
-latent. On CUDA the runtime's clocks are CUDA events (nodes.live_stats.StageClock), read after each run.
+Variants: unpatched, then ToMA at every ratio with every scope (the Advanced node's ``scope``: "block"
+runs whole double blocks on merged tokens, "attention" merges only their attention; single blocks merge
+whole either way) and every ``merge_every`` (the Advanced
+node's input: merge on steps 0, k, 2k, ... only), patched by ``ToMAPatchModelAdvanced`` with the node's
+other defaults. Every variant samples the same img2img job: a structured latent, denoise 0.75, euler,
+cfg 1. After one untimed 2-step run of every variant (loading, kernels, allocator), the variants run
+interleaved, repeat after repeat, so a slow spell of a shared machine hits all of them alike.
+
+Times are of whole runs (every step, the first included), not of steps: with merge_every 3 a run mixes
+merged and unmerged steps, and a per-step median would pick one kind. Columns: ``CPU speed-up`` (CPU
+runs): median over repeats of unpatched / variant process CPU time of a run, which a shared machine's
+other jobs do not inflate (use one thread there: a descheduled OpenMP thread stalls the others);
+``spread``: the lowest and highest of those per-repeat ratios; ``speed-up``: the same from wall time
+(the one that counts on CUDA); ``run ms``, ``CPU ms``: median wall and CPU time of a run; ``image
+tokens``: per merged block, full -> merged; ``select %`` and ``merge %``: the runtime's own clocks
+(destination selection; merge + unmerge + position gathers) in % of the run's wall time, CUDA events on
+CUDA (nodes.live_stats.StageClock), read after each run.
 """
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from . import comfy_host, models, sampling
 from .cli import resolve_device
-from .metrics import relative_l2
 from .tables import format_cell, format_table
 
+SCOPES = ("block", "attention")  # the Advanced node's scope choices that place the merge on a Flux model
+MERGE_EVERY_RANGE = (1, 100)  # the Advanced node's merge_every input
+RATIO_RANGE = (0.0, 0.9)  # the nodes' ratio input; 0 (no merging) is the unpatched variant already
 
-def toma_variant(pack, model, ratio: float, window: int, reuse: int):
-    """(patched clone, list that receives each run's summary)."""
-    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
+
+@dataclass(frozen=True)
+class Variant:
+    """One model of the table: ToMA's ratio, scope and merge_every; ratio None is the unpatched model."""
+
+    ratio: float | None = None
+    scope: str | None = None
+    merge_every: int = 1
+
+    @property
+    def label(self) -> str:
+        if self.ratio is None:
+            return "unpatched"
+        every = "" if self.merge_every == 1 else f" every {self.merge_every}"
+        return f"ToMA {self.scope} r={self.ratio:g}{every}"
+
+
+def variants_of(ratios, scopes, merge_every) -> list[Variant]:
+    """Unpatched, then every scope x merge_every at each ratio, grouped by ratio so variants that remove
+    as many tokens sit together."""
+    return [Variant()] + [Variant(r, s, k) for r in ratios for s in scopes for k in merge_every]
+
+
+def patch(pack, model, variant: Variant, window: int, reuse: int):
+    """(patched clone, list that receives each run's summary); (model, None) for unpatched."""
+    if variant.ratio is None:
+        return model, None
+    node = pack.nodes.toma_nodes.ToMAPatchModelAdvanced()
+    (patched,) = node.patch(model, variant.ratio, window, reuse, scope=variant.scope, merge_every=variant.merge_every)
     summaries = []
     pack.nodes.runtime.runtime_of(patched).run_listeners.append(summaries.append)
     return patched, summaries
 
 
-def run_once(model, job: dict, device: str):
-    """(wall seconds per step, process CPU seconds per step, first-step denoised output, sampled
-    latent) of one sampling run."""
+def run_once(model, job: dict, device: str) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one sampling run."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    stamps, first = [], []
-
-    def callback(step, x0, x, total):
-        sync()
-        stamps.append((time.perf_counter(), time.process_time()))
-        if step == 0:
-            first.append(x0.detach().float().cpu())
-
     sync()
-    start = (time.perf_counter(), time.process_time())
-    out = sampling.sample(model, job["conditioning"], job["latent"], steps=job["steps"], scheduler="simple",
-                          denoise=0.75, noise=job["noise"], callback=callback)
-    wall, cpu = ([b[i] - a[i] for a, b in zip([start] + stamps[:-1], stamps)] for i in (0, 1))
-    return wall, cpu, first[0], out.float().cpu()
+    wall, cpu = time.perf_counter(), time.process_time()
+    sampling.sample(model, job["conditioning"], job["latent"], steps=job["steps"], scheduler="simple",
+                    denoise=0.75, noise=job["noise"])
+    sync()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def variant_table(rows: list[dict]) -> str:
-    head = ["variant", "step ms", "speed-up", "CPU-time speed-up", "image tokens", "select %", "merge %",
-            "rel L2 x0", "rel L2 out"]
-    base, base_cpu = rows[0]["step"], rows[0]["cpu"]
-    return format_table(head, [[r["name"], f"{1000 * r['step']:.1f}", f"{base / r['step']:.2f}x",
-                                format_cell(r["cpu"] and base_cpu / r["cpu"], "{:.2f}x"), r["tokens"],
-                                format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%"),
-                                format_cell(r["x0"], "{:.4f}"), format_cell(r["out"], "{:.4f}")] for r in rows])
+    head = ["variant", "CPU speed-up", "spread", "speed-up", "run ms", "CPU ms", "image tokens", "select %", "merge %"]
+    return format_table(head, [[r["name"], format_cell(r["cpu_speedup"], "{:.2f}x"), format_cell(r["cpu_spread"], "{}"),
+                                f"{r['speedup']:.2f}x", f"{1000 * r['wall']:.0f}",
+                                format_cell(r["cpu"] and 1000 * r["cpu"], "{:.0f}"), r["tokens"],
+                                format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%")] for r in rows])
 
 
 def merged_tokens(summary: dict) -> str:
@@ -79,13 +107,36 @@ def merged_tokens(summary: dict) -> str:
                      for name, v in summary["levels"].items()) or "none merged"
 
 
+def stage_share(summaries: list[dict], stages: list[str]) -> float:
+    """Median over the timed runs of the runtime's seconds in ``stages``, in % of the run's wall time."""
+    timed = [s for s in summaries if s.get("wall_seconds")]
+    return 100 * statistics.median(sum(s["seconds"][k] for k in stages) / s["wall_seconds"] for s in timed)
+
+
+def comma_list(ap, option: str, text: str, convert, allowed: str, valid) -> list:
+    """``text`` split on commas, each item through ``convert`` and checked by ``valid``; an argparse error
+    naming ``option`` and what it allows otherwise."""
+    try:
+        values = [convert(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = None
+    if not values or not all(valid(v) for v in values):
+        ap.error(f"{option} must be a comma list of {allowed}, got {text!r}")
+    return values
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.flux", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="auto: CUDA when available (full FLUX.1-dev, bf16), else CPU (FLUX_SMALL, fp32)")
     ap.add_argument("--steps", type=int, default=6, help="sampling steps per run (default 6)")
-    ap.add_argument("--ratios", default="0.25,0.5,0.75",
-                    help="comma-separated ToMA ratios (default 0.25,0.5,0.75)")
+    ap.add_argument("--ratios", default=None,
+                    help="comma-separated ToMA ratios (default 0.25,0.5,0.75 on CUDA; 0.5,0.75 on the CPU, where "
+                         "each ratio adds len(scopes) x len(merge-every) runs per repeat)")
+    ap.add_argument("--scopes", default="block,attention",
+                    help="comma list of the Advanced node's scopes to run: block, attention (default both)")
+    ap.add_argument("--merge-every", default="1,3",
+                    help="comma list of the Advanced node's merge_every, integers in [1, 100] (default 1,3)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant (default 3)")
     ap.add_argument("--latent", default=None, help="latent HxW (default 128x128 on CUDA, 64x64 on CPU)")
     ap.add_argument("--tokens", type=int, default=None, help="text tokens (default 512 on CUDA, 256 on CPU)")
@@ -94,18 +145,21 @@ def parse_args(argv):
     ap.add_argument("--reuse", type=int, default=5, help="steps between destination recomputations (default 5)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
-    try:
-        args.ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
-    except ValueError:
-        ap.error(f"--ratios must be comma-separated numbers in (0, 0.9], got {args.ratios!r}")
-    if not args.ratios or not all(0.0 < r <= 0.9 for r in args.ratios):
-        ap.error(f"--ratios must be comma-separated numbers in (0, 0.9], got {args.ratios}")
     if args.steps < 2 or args.repeats < 1:
         ap.error("--steps must be >= 2 and --repeats >= 1")
     if not 1 <= args.window <= 32 or args.reuse < 1:
         ap.error("--window must be between 1 and 32 and --reuse >= 1")
     args.device = resolve_device(ap, args.device)
     cuda = args.device == "cuda"
+    # On a 2-core CPU a FLUX_SMALL run of 6 steps costs about 33 s unpatched and 20-28 s merged: with the
+    # default scopes and schedules, 3 ratios (13 variants) take about 16 min at 3 repeats, 2 ratios about 11.
+    low, high = RATIO_RANGE
+    args.ratios = comma_list(ap, "--ratios", args.ratios or ("0.25,0.5,0.75" if cuda else "0.5,0.75"), float,
+                             f"numbers in ({low:g}, {high:g}]", lambda r: low < r <= high)
+    args.scopes = comma_list(ap, "--scopes", args.scopes, str, ", ".join(SCOPES), lambda s: s in SCOPES)
+    low, high = MERGE_EVERY_RANGE
+    args.merge_every = comma_list(ap, "--merge-every", args.merge_every, int, f"integers in [{low}, {high}]",
+                                  lambda k: low <= k <= high)
     try:
         args.latent = tuple(int(v) for v in (args.latent or ("128x128" if cuda else "64x64")).lower().split("x"))
         assert len(args.latent) == 2 and min(args.latent) >= 2
@@ -130,49 +184,45 @@ def main(argv=None) -> None:
     job = {"steps": args.steps, "conditioning": models.dit_conditioning("flux", config, 1, args.tokens, seed=0),
            "latent": models.structured_latent(1, H, W, seed=0, channels=16),
            "noise": sampling.seeded_noise((1, 16, H, W), 0)}
-    variants = [("unpatched", model, None)]
-    for ratio in args.ratios:
-        patched, summaries = toma_variant(pack, model, ratio, args.window, args.reuse)
-        variants.append((f"ToMA {ratio:g}", patched, summaries))
-
-    steps = {name: [] for name, _, _ in variants}
-    cpu_steps = {name: [] for name, _, _ in variants}
-    outputs = {}
-    with torch.inference_mode():
-        run_once(model, dict(job, steps=2), args.device)  # warm-up: loading, kernels, allocator
-        for _ in range(args.repeats):
-            for name, m, _ in variants:
-                wall, cpu, x0, out = run_once(m, job, args.device)
-                steps[name] += wall[1:]
-                cpu_steps[name] += cpu[1:]
-                outputs.setdefault(name, (x0, out))
-
-    rows = []
-    ref_x0, ref_out = outputs["unpatched"]
-    for name, _, summaries in variants:
-        row = {"name": name, "step": statistics.median(steps[name]), "tokens": "all", "select": None,
-               "cpu": None if cuda else statistics.median(cpu_steps[name]),
-               "merge": None, "x0": None, "out": None}
-        if summaries:
-            timed = [s for s in summaries if s.get("wall_seconds")]
-            row["tokens"] = merged_tokens(summaries[-1])
-            def share(kinds):
-                return 100 * statistics.median(sum(s["seconds"][k] for k in kinds) / s["wall_seconds"] for s in timed)
-
-            row["select"], row["merge"] = share(["select"]), share(["merge", "unmerge"])
-            x0, out = outputs[name]
-            row["x0"], row["out"] = relative_l2(x0, ref_x0), relative_l2(out, ref_out)
-        rows.append(row)
-
+    variants = variants_of(args.ratios, args.scopes, args.merge_every)
+    patched = [patch(pack, model, v, args.window, args.reuse) for v in variants]
     dm = model.model.diffusion_model
-    where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.node()}; torch "
-          f"{torch.__version__}; {where}")
+    where = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s); {where}")
     print(f"Flux architecture: hidden {dm.hidden_size}, {len(dm.double_blocks)} double + {len(dm.single_blocks)} "
           f"single blocks, {str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s)")
     print(f"latent {H}x{W} ({-(-H // 2) * -(-W // 2)} image tokens), {args.tokens} text tokens, {args.steps} "
           f"euler steps at denoise 0.75, window {args.window}, reuse {args.reuse}; {args.repeats} interleaved "
-          f"repeats, median of {len(steps['unpatched'])} steps per variant")
+          f"repeats of {len(variants)} variants, medians of whole runs", flush=True)
+
+    runs = [[] for _ in variants]  # (wall, cpu) per repeat
+    with torch.inference_mode():
+        for m, summaries in patched:  # warm-up: loading, kernels, allocator; its summaries are not timed runs
+            run_once(m, dict(job, steps=2), args.device)
+            if summaries is not None:
+                summaries.clear()
+        for _ in range(args.repeats):
+            for i, (m, _) in enumerate(patched):
+                runs[i].append(run_once(m, job, args.device))
+
+    rows = []
+    for variant, (_, summaries), variant_runs in zip(variants, patched, runs):
+        wall_ratios = [u[0] / v[0] for u, v in zip(runs[0], variant_runs)]
+        cpu_ratios = [u[1] / v[1] for u, v in zip(runs[0], variant_runs)]
+        row = {"name": variant.label, "wall": statistics.median(w for w, _ in variant_runs),
+               "speedup": statistics.median(wall_ratios), "cpu": None, "cpu_speedup": None, "cpu_spread": None,
+               "tokens": "all", "select": None, "merge": None}
+        if not cuda:  # on CUDA the process CPU time is the host's launches and sync waits, not the model
+            row.update(cpu=statistics.median(c for _, c in variant_runs), cpu_speedup=statistics.median(cpu_ratios),
+                       cpu_spread=f"{min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}")
+        if summaries:
+            row["tokens"] = merged_tokens(summaries[-1])
+            row["select"], row["merge"] = stage_share(summaries, ["select"]), stage_share(summaries, ["merge", "unmerge"])
+        rows.append(row)
+
+    print(f"load after: {os.getloadavg()[0]:.1f}\n")
     print(variant_table(rows))
 
 

@@ -1,58 +1,62 @@
-"""UNet benchmark: speed and fidelity of ToMA, ToMeSD, CA-ToMe and ComfyUI's TomePatchModel, side by side.
+"""UNet speed benchmark: ToMA, ToMeSD, CA-ToMe and ComfyUI's TomePatchModel at SD1.5 and SDXL widths, side by side.
 
     python -m toma_bench [--arch sd15,sdxl] [--device cpu|cuda] [--steps N] [--repeats R]
-                         [--ratios 0.25,0.5,0.75] [--thresholds 0.7] [--threads T] [--quick] [--sweep]
+                         [--ratios 0.25,0.5,0.75] [--thresholds 0.7] [--threads T] [--quick]
+
+Speed only. The UNets have random weights (toma_bench.models), so how far a merge moves their output
+says nothing about pictures; fidelity is measured on the trained proxies by ``python -m
+toma_bench.curves``, and this benchmark gives the speed at real widths beside it.
 
 Every variant is a MODEL patched by its node (the pack's nodes; ComfyUI's own ``TomePatchModel``) from one
-random-weight UNet (toma_bench.models), and runs the same short img2img job through
-``comfy.sample.sample``: a structured latent, seeded noise, euler, CFG (one model call per step on a
-batch of 2: cond and uncond). A ``model_function_wrapper`` installed before patching times every model
-call (``apply_model``, with a device synchronize on CUDA), so a step's latency is the UNet forward alone,
-merging included, without the sampler's bookkeeping. Per run, latency = forward time / steps, which
-amortises the steps that select destinations. Runs go round-robin over the variants, ``--repeats`` times;
-the table gives the median. Fidelity to the unpatched model, from the first repeat (runs are
-deterministic): the relative L2 error of the first step's noise prediction (eps of a structured latent
-noised to the first sigma; every variant sees the same input there) and the PSNR of the final latent.
+random-weight UNet, and runs the same short img2img job through ``comfy.sample.sample``: a structured
+latent, seeded noise, euler, CFG (one model call per step on a batch of 2: cond and uncond). A
+``model_function_wrapper`` installed before patching records every model call of that run (the
+sampling pass, which also warms up). The timing pass then replays the recorded calls (``apply_model``, with a device
+synchronize on CUDA) ``--repeats`` times, call by call across the variants (step 0 of every variant,
+then step 1, ...), so a slow spell of a shared machine hits every variant alike; a step's time is the
+UNet forward alone, merging included, without the sampler's bookkeeping. Per repeat, time per step =
+forward time / steps, which amortises the steps that select destinations.
+
+Columns: ``cpu speedup``: median over repeats of unpatched / variant process CPU time, which a shared
+machine's other jobs do not inflate (rank by it on a CPU; use one thread there: a descheduled OpenMP
+thread stalls the others); ``spread``: the lowest and highest of those per-repeat ratios; ``speedup``:
+the same from wall time (the one that counts on CUDA); ``ms/step``, ``cpu ms``: median wall and CPU
+time per step; ``merge cost``: the runtime's own select + merge + unmerge clocks in % of the wall time
+(``sel/mrg/unm``: each of them); ``removed``: tokens removed at the merged levels.
 """
 import argparse
 import contextlib
+import datetime
 import logging
-import math
 import os
+import platform
 import statistics
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from . import comfy_host, models, sampling
-from .metrics import psnr, relative_l2
 from .tables import format_cell, format_table
-
-REPO = Path(__file__).resolve().parent.parent
 
 SAMPLER, SCHEDULER, CFG, DENOISE = "euler", "normal", 5.0, 0.6
 LATENT_SIDE = {"sd15": 64, "sdxl": 128}  # 512x512 and 1024x1024 images
 SEED = 0
-QK_GAIN = 3.0  # see sharpen_self_attention_
 
 # (device, mode, arch) -> (steps, timing passes, ratios). CPU runs are sized for a 2-core machine: a
-# SD15_SMALL step at 512x512 costs about 5 s there, an SDXL_SMALL step at 1024x1024 about 25 s.
+# SD15_SMALL step at 512x512 costs about 5 s there, an SDXL_SMALL step at 1024x1024 about 25 s, and a run
+# costs (1 sampling pass + timing passes) x variants x steps of those (less the merged variants' savings):
+# sd15 full (10 variants) about 10 min, quick (6) about 4 min; sdxl full (6) about 15 min, quick about 7 min.
 DEFAULTS = {
-    ("cpu", "full", "sd15"): (3, 1, "0.25,0.5,0.75"),
-    ("cpu", "full", "sdxl"): (2, 1, "0.5"),
-    ("cpu", "quick", "sd15"): (2, 1, "0.5"),
-    ("cpu", "quick", "sdxl"): (1, 1, "0.5"),
-    ("cpu", "sweep", "sd15"): (10, 1, "0.5"),
-    ("cpu", "sweep", "sdxl"): (5, 1, "0.5"),
+    ("cpu", "full", "sd15"): (3, 3, "0.25,0.5,0.75"),
+    ("cpu", "full", "sdxl"): (2, 2, "0.5"),
+    ("cpu", "quick", "sd15"): (2, 3, "0.5"),
+    ("cpu", "quick", "sdxl"): (1, 2, "0.5"),
     ("cuda", "full", "sd15"): (20, 3, "0.25,0.5,0.75"),
     ("cuda", "full", "sdxl"): (20, 3, "0.25,0.5,0.75"),
-    ("cuda", "quick", "sd15"): (10, 1, "0.5"),
-    ("cuda", "quick", "sdxl"): (10, 1, "0.5"),
-    ("cuda", "sweep", "sd15"): (20, 3, "0.5"),
-    ("cuda", "sweep", "sdxl"): (20, 3, "0.5"),
+    ("cuda", "quick", "sd15"): (10, 3, "0.5"),
+    ("cuda", "quick", "sdxl"): (10, 3, "0.5"),
 }
 
 
@@ -86,20 +90,6 @@ def make_job(arch: str, config_name: str, steps: int, device: str) -> Job:
     noise = sampling.seeded_noise(latent.shape, SEED + 1)
     positive, negative = models.conditioning(arch, 1, 77, SEED, height=side * 8, width=side * 8)
     return Job(arch, config_name, latent, noise, positive, negative, steps, device)
-
-
-def sharpen_self_attention_(diffusion_model, gain: float) -> None:
-    """Scale to_q and to_k of every self-attention by ``gain`` (logits by gain^2). With random weights the
-    logits have a std of about 0.35 and every token attends almost uniformly to all others (softmax entropy
-    99% of the maximum): self-attention then returns about the same mean for every token, which merging
-    preserves, so every merging method would look harmless. Trained UNets attend selectively."""
-    from comfy.ldm.modules.attention import BasicTransformerBlock
-
-    with torch.no_grad():
-        for block in diffusion_model.modules():
-            if isinstance(block, BasicTransformerBlock):
-                block.attn1.to_q.weight.mul_(gain)
-                block.attn1.to_k.weight.mul_(gain)
 
 
 # -- variants -----------------------------------------------------------------------------------------
@@ -151,55 +141,30 @@ def comparison_variants(arch, ratios, thresholds, pack, comfy_nodes) -> list[Var
     return out
 
 
-def sweep_variants(ratio, pack) -> list[Variant]:
-    """ToMA settings for choosing the node's defaults, one knob at a time around window 4, reuse 5, levels
-    auto, scope attention: window 2/4/8, reuse 1/3/5/10, levels auto+next, scope block."""
-    tn = pack.nodes.toma_nodes
-    out = [Variant("unpatched", "", lambda m: m)]
-    out += [toma_variant(tn, ratio, "attention", w, 5, setting=f"w={w} reuse=5") for w in (2, 4, 8)]
-    out += [toma_variant(tn, ratio, "attention", 4, r, setting=f"w=4 reuse={r}") for r in (1, 3, 10)]
-    out.append(toma_variant(tn, ratio, "attention", 4, 5, "auto+next", "w=4 reuse=5 auto+next"))
-    out.append(toma_variant(tn, ratio, "block", 4, 5, setting="w=4 reuse=5"))
-    return out
-
-
 # -- pass 1: one sampling run per variant -----------------------------------------------------------------
-@dataclass
-class Recording:
-    """What the model_function_wrapper keeps of one sampling run: every UNet call's arguments (to replay
-    it in the timing pass) and the first call's noise prediction."""
-
-    calls: list = field(default_factory=list)  # (x, sigma, c) per UNet call
-    first_eps: torch.Tensor | None = None
-
-
 def recording_wrapper(holder: list):
-    """A model_function_wrapper recording into ``holder[0]``. A plain closure: ComfyUI deep-copies
-    model_options when it clones a patcher, and a function survives that as itself."""
+    """A model_function_wrapper appending every UNet call's arguments (x, sigma, c) to the list in
+    ``holder[0]``, to replay them in the timing pass. A plain closure: ComfyUI deep-copies model_options
+    when it clones a patcher, and a function survives that as itself."""
 
     def wrapper(apply_model, args):
         x, sigma, c = args["input"], args["timestep"], args["c"]
-        out = apply_model(x, sigma, **c)
-        rec = holder[0]
-        if rec is not None:
-            rec.calls.append((x, sigma, c))
-            if rec.first_eps is None:  # EPS models: denoised = x - eps * sigma
-                rec.first_eps = ((x - out) / sigma.view(-1, 1, 1, 1)).double().cpu()
-        return out
+        if holder[0] is not None:
+            holder[0].append((x, sigma, c))
+        return apply_model(x, sigma, **c)
 
     return wrapper
 
 
-def sample(model, job: Job, holder: list) -> tuple[torch.Tensor, Recording]:
-    """Run ``job`` on ``model``: (final latent, recording). On the CPU, with one CFG batch (one_cfg_batch).
+def record_calls(model, job: Job, holder: list) -> list:
+    """Run ``job`` on ``model``; its UNet calls' arguments. On the CPU, with one CFG batch (one_cfg_batch).
     The global RNGs are seeded for the run (ComfyUI's TomePatchModel draws its destinations from them)."""
-    holder[0] = Recording()
+    holder[0] = []
     with contextlib.nullcontext() if job.device == "cuda" else one_cfg_batch():
-        final = sampling.sample(model, (job.positive, job.negative), job.latent, steps=job.steps, cfg=CFG,
-                                sampler=SAMPLER, scheduler=SCHEDULER, denoise=DENOISE, seed=SEED, noise=job.noise,
-                                global_rngs=True)
-    rec, holder[0] = holder[0], None
-    return final.float().cpu(), rec
+        sampling.sample(model, (job.positive, job.negative), job.latent, steps=job.steps, cfg=CFG, sampler=SAMPLER,
+                        scheduler=SCHEDULER, denoise=DENOISE, seed=SEED, noise=job.noise, global_rngs=True)
+    calls, holder[0] = holder[0], None
+    return calls
 
 
 @contextlib.contextmanager
@@ -253,10 +218,9 @@ class Row:
     cpu_step_ms: float  # process CPU time of the same
     speedup: float  # median over repeats of unpatched / variant wall time
     cpu_speedup: float  # the same from the process's CPU time (robust on a shared machine)
+    cpu_spread: tuple  # lowest and highest of the per-repeat CPU-time ratios
     shares: dict | None  # select/merge/unmerge seconds of the MergeRuntime / UNet wall time, median
     merged_fraction: float | None  # tokens removed at the merged levels (mean over levels)
-    eps_rel_l2: float
-    psnr_db: float
     calls_per_step: float
     batch: int
 
@@ -266,7 +230,7 @@ class Row:
 
 
 def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, progress=print) -> list[Row]:
-    """Pass 1 samples each variant once (fidelity, and the calls to replay; also the warm-up). Pass 2
+    """Pass 1 samples each variant once (the calls to replay; also the warm-up). Pass 2
     replays the recorded calls ``repeats`` times, call by call across the variants (step 0 of every
     variant, then step 1, ...), so a slow spell of a shared machine hits every variant alike.
     Rows follow ``variants``; the first is the reference."""
@@ -276,26 +240,24 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
     patched = [v.patch(recorded) for v in variants]
     runtime_of = find_runtime(pack)
     start = time.perf_counter()
-    finals, recordings, removed = [], [], []
+    recordings, removed = [], []
     for model in patched:
-        final, rec = sample(model, job, holder)
-        finals.append(final)
-        recordings.append(rec)
+        recordings.append(record_calls(model, job, holder))
         runtime = runtime_of(model)
         removed.append(statistics.mean(1 - v.merged_tokens / v.tokens for v in runtime.levels.values())
                        if runtime is not None and runtime.levels else None)
     progress(f"  {job.arch} sampling pass: {time.perf_counter() - start:.0f} s")
-    n_calls = len(recordings[0].calls)
-    if any(len(rec.calls) != n_calls for rec in recordings):
-        raise RuntimeError(f"variants made different numbers of UNet calls: {[len(r.calls) for r in recordings]}")
+    n_calls = len(recordings[0])
+    if any(len(calls) != n_calls for calls in recordings):
+        raise RuntimeError(f"variants made different numbers of UNet calls: {[len(calls) for calls in recordings]}")
     wall = [[0.0] * repeats for _ in variants]
     cpu = [[0.0] * repeats for _ in variants]
     shares = [[None] * repeats for _ in variants]
     for rep in range(repeats):
         start = time.perf_counter()
         for k in range(n_calls):
-            for i, (model, rec) in enumerate(zip(patched, recordings)):
-                w, c = timed_call(model, rec.calls[k], sync)
+            for i, (model, calls) in enumerate(zip(patched, recordings)):
+                w, c = timed_call(model, calls[k], sync)
                 wall[i][rep] += w
                 cpu[i][rep] += c
         for i, model in enumerate(patched):  # a runtime's seconds cover its current run: this repeat
@@ -303,68 +265,34 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
             if runtime is not None:
                 shares[i][rep] = {k: v / wall[i][rep] for k, v in runtime.stage_clock.seconds().items()}
         progress(f"  {job.arch} timing repeat {rep + 1}/{repeats}: {time.perf_counter() - start:.0f} s "
-                 f"(unpatched {1000 * wall[0][rep] / job.steps:.0f} ms/step)")
+                 f"(unpatched {1000 * wall[0][rep] / job.steps:.0f} ms/step), load {os.getloadavg()[0]:.1f}")
     rows = []
     for i, variant in enumerate(variants):
         share = None
         if shares[i][0] is not None:
             share = {k: statistics.median(s[k] for s in shares[i]) for k in shares[i][0]}
+        cpu_ratios = [u / v for u, v in zip(cpu[0], cpu[i])]
         rows.append(Row(job.arch, variant, 1000 * statistics.median(wall[i]) / job.steps,
                         1000 * statistics.median(cpu[i]) / job.steps,
                         statistics.median(u / v for u, v in zip(wall[0], wall[i])),
-                        statistics.median(u / v for u, v in zip(cpu[0], cpu[i])),
-                        share, removed[i], relative_l2(recordings[i].first_eps, recordings[0].first_eps),
-                        psnr(finals[i], finals[0]), len(recordings[i].calls) / job.steps,
-                        max(c[0].shape[0] for c in recordings[i].calls)))
+                        statistics.median(cpu_ratios), (min(cpu_ratios), max(cpu_ratios)),
+                        share, removed[i], len(recordings[i]) / job.steps,
+                        max(c[0].shape[0] for c in recordings[i])))
     return rows
 
 
 # -- output -------------------------------------------------------------------------------------------
 def variant_table(rows: list[Row]) -> str:
-    head = ["arch", "variant", "ms/step", "cpu ms", "speedup", "cpu speedup", "merge cost", "sel/mrg/unm", "removed", "eps relL2", "PSNR dB"]
+    head = ["arch", "variant", "cpu speedup", "spread", "speedup", "ms/step", "cpu ms", "merge cost", "sel/mrg/unm",
+            "removed"]
     lines = []
     for r in rows:
         shares = "-" if r.shares is None else "/".join(f"{100 * r.shares[k]:.1f}" for k in ("select", "merge", "unmerge"))
-        lines.append([r.arch, r.variant.label, f"{r.step_ms:.0f}", f"{r.cpu_step_ms:.0f}", f"{r.speedup:.3f}x", f"{r.cpu_speedup:.3f}x",
+        lines.append([r.arch, r.variant.label, f"{r.cpu_speedup:.3f}x", f"{r.cpu_spread[0]:.2f}-{r.cpu_spread[1]:.2f}",
+                      f"{r.speedup:.3f}x", f"{r.step_ms:.0f}", f"{r.cpu_step_ms:.0f}",
                       format_cell(r.merge_share and 100 * r.merge_share, "{:.1f}%"), shares,
-                      format_cell(r.merged_fraction and 100 * r.merged_fraction, "{:.0f}%"),
-                      f"{r.eps_rel_l2:.4f}", "inf" if math.isinf(r.psnr_db) else f"{r.psnr_db:.1f}"])
+                      format_cell(r.merged_fraction and 100 * r.merged_fraction, "{:.0f}%")])
     return format_table(head, lines, left=2)
-
-
-FAMILY_STYLE = {"ToMA attention": ("C0", "o"), "ToMA block": ("C1", "s"), "ToMeSD": ("C2", "^"),
-                "CA-ToMe": ("C3", "v"), "ComfyUI Tome": ("C4", "D")}
-
-
-def plot(rows: list[Row], path: Path, title: str) -> None:
-    """Speedup vs PSNR of the final latent, one panel per architecture, a line per family."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    archs = list(dict.fromkeys(r.arch for r in rows))
-    fig, axes = plt.subplots(1, len(archs), figsize=(4.2 * len(archs), 3.4), squeeze=False)
-    for ax, arch in zip(axes[0], archs):
-        for family, (color, marker) in FAMILY_STYLE.items():
-            pts = sorted((r.speedup, r.psnr_db, r.variant.setting) for r in rows if r.arch == arch and r.variant.family == family)
-            if not pts:
-                continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, label=family, lw=1, ms=5)
-            for x, y, s in pts:
-                ax.annotate(s.split("=")[-1], (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
-        ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
-        ax.set_title(arch.upper(), fontsize=9)
-        ax.set_xlabel("speedup vs unpatched (x)", fontsize=8)
-        ax.set_ylabel("PSNR of final latent vs unpatched (dB)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=6, loc="best")
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 # -- main ---------------------------------------------------------------------------------------------
@@ -391,12 +319,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     ap.add_argument("--attention", choices=["sdpa", "sub-quad"], default="sdpa",
                     help="ComfyUI attention backend (fixed for the process)")
-    ap.add_argument("--qk-gain", type=float, default=QK_GAIN,
-                    help=f"scale of to_q and to_k of every self-attention (default {QK_GAIN:g}; 1 = as built)")
-    ap.add_argument("--quick", action="store_true", help="SD1.5 only, ratio 0.5, 2 steps (~2 min on a quiet 2-core CPU)")
-    ap.add_argument("--sweep", action="store_true", help="ToMA settings sweep for the node defaults instead")
-    ap.add_argument("--plot", default=str(REPO / "docs" / "unet_speed_fidelity.png"),
-                    help="PNG path for the speed-vs-fidelity plot ('' for none)")
+    ap.add_argument("--quick", action="store_true",
+                    help="SD1.5 only, ratio 0.5, 2 steps, 3 timing passes (~4 min on a quiet 2-core CPU)")
     args = ap.parse_args(argv)
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
@@ -414,12 +338,13 @@ def main(argv=None) -> None:
     full = args.config == "full" or (args.config == "auto" and cuda)
     dtype = torch.float16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    mode = "sweep" if args.sweep else "quick" if args.quick else "full"
-    threads = torch.get_num_threads()
-    device_name = torch.cuda.get_device_name() if cuda else f"CPU, {threads} thread{'s' if threads > 1 else ''}"
-    print(f"torch {torch.__version__}; {device_name}; {str(dtype).removeprefix('torch.')}; attention "
-          f"{args.attention}; ComfyUI {'current' if comfy_host.is_current_comfy() else 'March 2024'}; {SAMPLER}/{SCHEDULER} "
-          f"img2img denoise {DENOISE}, cfg {CFG}; self-attention q/k gain {args.qk_gain:g}", flush=True)
+    mode = "quick" if args.quick else "full"
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s); {torch.cuda.get_device_name() if cuda else 'CPU'}; "
+          f"{str(dtype).removeprefix('torch.')}; attention {args.attention}; ComfyUI "
+          f"{'current' if comfy_host.is_current_comfy() else 'March 2024'}; {SAMPLER}/{SCHEDULER} img2img denoise "
+          f"{DENOISE}, cfg {CFG}; random weights", flush=True)
 
     rows = []
     with torch.inference_mode():
@@ -430,11 +355,7 @@ def main(argv=None) -> None:
             ratios = parse_floats("ratios", args.ratios or ratios, 0.0, 0.9)
             job = make_job(arch, config_name, steps, args.device)
             base = models.build_unet(arch, seed=SEED, dtype=dtype, config=getattr(models, config_name))
-            sharpen_self_attention_(base.model.diffusion_model, args.qk_gain)
-            if args.sweep:
-                variants = sweep_variants(ratios[0], pack)
-            else:
-                variants = comparison_variants(arch, ratios, thresholds, pack, comfy_nodes)
+            variants = comparison_variants(arch, ratios, thresholds, pack, comfy_nodes)
             print(f"{arch}: {config_name}, latent {LATENT_SIDE[arch]}x{LATENT_SIDE[arch]}, {steps} steps, "
                   f"{len(variants)} variants, {repeats} timing passes", flush=True)
             start = time.perf_counter()
@@ -445,10 +366,6 @@ def main(argv=None) -> None:
     odd = [r for r in rows if r.calls_per_step != 1 or r.batch != 2]
     if odd:
         print(f"note: {len(odd)} variants did not run one batch-2 call per step (CFG batch split)")
-    if args.plot and not args.sweep:
-        title = f"{device_name}, attention {args.attention}, img2img {steps} steps (docs/benchmarks.md)"
-        plot(rows, Path(args.plot), title)
-        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
