@@ -211,11 +211,9 @@ def supports(model) -> bool:
     return dm is not None and hasattr(dm, "input_blocks") and bool(transformer_blocks(dm))
 
 
-def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
+def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "attention"):
     """The patched clone of ``model`` (a ComfyUI ModelPatcher). levels: a LEVEL_CHOICES string or a set
-    of downsample factors; scope: "attention" or "block", "auto" = "attention" (anything else is a
-    ValueError naming it)."""
-    scope = "attention" if scope == "auto" else scope
+    of downsample factors; scope: "attention" or "block" (anything else is a ValueError naming it)."""
     dm = model.model.diffusion_model
     available = attention_levels(dm)
     levels = resolve_levels(levels, available)
