@@ -72,11 +72,11 @@ def watched(patched, runtime: MergeRuntime, unique_id):
     return patched
 
 
-def apply_strategy(model, strategy, levels="auto", scope: str = "attention", unique_id=None):
+def apply_strategy(model, strategy, levels="auto", scope: str = "auto", unique_id=None):
     """Patch ``model`` with ``strategy`` (None: ratio 0, a plain clone) through the adapter of its family;
     unsupported: ``model`` unpatched. ``unique_id``: the patch node's id, to which the live stats of each
     sampling run are sent. ``levels`` is a UNet notion (a DiT has one token grid); ``scope`` is the
-    Advanced node's input, which each adapter reads for its family."""
+    Advanced node's input, which each adapter reads for its family ("auto": the family's default)."""
     if strategy is None:
         return model.clone()
     adapter = adapter_for(model)
@@ -125,9 +125,8 @@ class ToMAPatchModel(ModelPatchNode):
                    "change to the image. On Flux (dev, schnell, Kontext), Chroma (and Chroma Radiance) and "
                    "SD3/SD3.5 it merges the image tokens of all double/single blocks but the first ~25%/~13%; "
                    "on Qwen-Image and Qwen-Image-Edit those of all blocks but the first ~25%, each Edit "
-                   "reference image by a plan of its own (text tokens never). Flux, Chroma and HunyuanVideo double "
-                   "blocks run only their attention on merged tokens (the paper's placement); other DiT blocks "
-                   "run whole on merged tokens.")
+                   "reference image by a plan of its own (text tokens never). DiT blocks run whole on merged "
+                   "tokens; the Advanced node's scope can merge only the attention of Flux-style double blocks.")
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -152,13 +151,14 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                 "model": MODEL_INPUT, "ratio": RATIO_INPUT, "window_size": WINDOW_INPUT,
                 "reuse_interval": REUSE_INPUT,
                 "scope": (list(dit.SCOPES), {
-                    "default": "attention",
+                    "default": "auto",
                     "tooltip": "attention: only self-attention runs on merged tokens. block: self-attention, "
                                "cross-attention and feed-forward all run merged (faster, more change). On "
                                "Flux, Chroma and HunyuanVideo double blocks, attention merges only the joint "
                                "attention (the paper's placement) and block the whole block; their single "
                                "blocks, and all blocks of SD3, Qwen-Image, Wan and LTX-Video, always run "
-                               "whole on merged image tokens."}),
+                               "whole on merged image tokens. auto: attention on UNets, "
+                               f"{dit.DIT_DEFAULT_SCOPE} on DiTs."}),
                 "levels": (list(unet.LEVEL_CHOICES), {
                     "default": "auto",
                     "tooltip": "UNet resolutions to merge, as downsample factors. auto: the highest-resolution "
@@ -187,7 +187,7 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def patch(self, model, ratio, window_size, reuse_interval, scope="attention", levels="auto",
+    def patch(self, model, ratio, window_size, reuse_interval, scope="auto", levels="auto",
               weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
               temporal_window=DEFAULT_TEMPORAL_WINDOW, merge_every=1, unique_id=None):
         check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,

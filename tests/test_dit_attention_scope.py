@@ -60,10 +60,11 @@ def test_half_ratio_stays_close_and_differs_from_block_scope(pack, flux):
     assert OVERRIDE not in patched.model_options.get("transformer_options", {})
 
 
-def test_the_default_scope_on_dits_is_attention(pack, flux):
-    """The basic node and the Advanced node's default scope merge only the double blocks' attention."""
-    expected = sample(toma_patched(pack, flux, scope="attention")[0])
-    assert not torch.equal(sample(toma_patched(pack, flux, scope="block")[0]), expected)
+def test_auto_scope_is_the_dit_default(pack, flux):
+    """The basic node and scope "auto" place the merge as DIT_DEFAULT_SCOPE says."""
+    default = pack.nodes.adapters.dit.DIT_DEFAULT_SCOPE
+    expected = sample(toma_patched(pack, flux, scope=default)[0])
+    assert torch.equal(sample(toma_patched(pack, flux, scope="auto")[0]), expected)
     assert torch.equal(sample(toma_patched(pack, flux)[0]), expected)
 
 

@@ -357,11 +357,10 @@ def attention_diff(model, key, seed, scale=0.1):
 LORA_KEY = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_v.weight"  # a 1/1 level block
 
 
-def test_default_scope_is_attention_on_unets(pack, sd15, toma_square):
-    """The basic node (toma_square) merges as the Advanced node's scope "attention", not as "block"."""
-    assert torch.equal(sample(patch(pack, "ToMAPatchModelAdvanced", sd15.model, **advanced(scope="attention")), "sd15"),
-                       toma_square)
-    assert not torch.equal(sample(patch(pack, "ToMAPatchModelAdvanced", sd15.model, **advanced(scope="block")), "sd15"),
+def test_auto_scope_is_attention_on_unets(pack, sd15, toma_square):
+    """The basic node (toma_square) and the Advanced node's default scope "auto" merge self-attention only."""
+    for scope in ("auto", "attention"):
+        assert torch.equal(sample(patch(pack, "ToMAPatchModelAdvanced", sd15.model, **advanced(scope=scope)), "sd15"),
                            toma_square)
 
 

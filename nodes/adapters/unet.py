@@ -211,9 +211,11 @@ def supports(model) -> bool:
     return dm is not None and hasattr(dm, "input_blocks") and bool(transformer_blocks(dm))
 
 
-def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "attention"):
+def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
     """The patched clone of ``model`` (a ComfyUI ModelPatcher). levels: a LEVEL_CHOICES string or a set
-    of downsample factors; scope: "attention" or "block" (anything else is a ValueError naming it)."""
+    of downsample factors; scope: "attention" or "block", "auto" = "attention" (anything else is a
+    ValueError naming it)."""
+    scope = "attention" if scope == "auto" else scope
     dm = model.model.diffusion_model
     available = attention_levels(dm)
     levels = resolve_levels(levels, available)
