@@ -383,9 +383,10 @@ class CopyInput(torch.nn.Module):
         return self.inner(x.clone())
 
 
-# Norms whose input ComfyUI's Flux blocks then update in place (``x += ...`` in SingleStreamBlock,
-# ``txt += ...`` twice in DoubleStreamBlock): made for inference, they break autograd.
-IN_PLACE_RESIDUAL_NORMS = ("pre_norm", "txt_norm1", "txt_norm2")
+# Norms whose input ComfyUI's blocks then update in place (Flux: ``x += ...`` in SingleStreamBlock, ``txt +=
+# ...`` twice in DoubleStreamBlock; the March-2024 SD1.x BasicTransformerBlock: ``x += n`` after norm1 and
+# norm2): made for inference, they break autograd.
+IN_PLACE_RESIDUAL_NORMS = ("pre_norm", "txt_norm1", "txt_norm2", "norm1", "norm2")
 
 
 @contextlib.contextmanager
