@@ -16,7 +16,7 @@ log = logging.getLogger("ComfyUI-ToMA")
 
 CATEGORY = "model_patches/token_merging"
 
-# Defaults chosen from docs/benchmarks.md (speed at small fidelity loss on SD1.5 and SDXL).
+# Defaults chosen from the speed-vs-fidelity curves on the trained proxies (docs/benchmarks.md, "The defaults, and why").
 DEFAULT_RATIO = 0.5
 DEFAULT_WINDOW = 4
 DEFAULT_REUSE = 5
