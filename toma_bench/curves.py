@@ -37,33 +37,17 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from . import comfy_host, proxy, sampling
 from .metrics import psnr, relative_l2, ssim
 from .tables import format_cell, format_table
+from .unet import Variant, builtin_tome
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs"
 SEED = 0
-
-
-@dataclass(frozen=True)
-class Variant:
-    family: str  # the line it belongs to in the plot: "unpatched", "ToMA attention", "ToMeSD", ...
-    setting: str  # the knob's value, e.g. "r=0.5", "t=0.7"
-    patch: Callable  # proxy MODEL -> patched MODEL
-
-    @property
-    def label(self) -> str:
-        return f"{self.family} {self.setting}".strip()
-
-
-def node_accepts(node_class, name: str) -> bool:
-    types = node_class.INPUT_TYPES()
-    return name in types.get("required", {}) or name in types.get("optional", {})
 
 
 def toma(tn, family: str, setting: str, ratio: float, **inputs) -> Variant:
@@ -71,15 +55,6 @@ def toma(tn, family: str, setting: str, ratio: float, **inputs) -> Variant:
     node = tn.ToMAPatchModelAdvanced()
     inputs = {"window_size": tn.DEFAULT_WINDOW, "reuse_interval": tn.DEFAULT_REUSE, **inputs}
     return Variant(family, setting, lambda m: node.patch(m, ratio, **inputs)[0])
-
-
-def builtin_tome(comfy_nodes, model, ratio: float):
-    """ComfyUI's TomePatchModel (V1 ``patch`` in older ComfyUI, V3 ``execute`` in current ComfyUI)."""
-    cls = comfy_nodes.NODE_CLASS_MAPPINGS["TomePatchModel"]
-    if hasattr(cls, "define_schema"):
-        out = cls.execute(model=model, ratio=ratio)
-        return out.args[0] if hasattr(out, "args") else out[0]
-    return getattr(cls(), cls.FUNCTION)(model, ratio)[0]
 
 
 RATIOS = (0.25, 0.5, 0.75)
@@ -94,14 +69,12 @@ def unet_methods(tn, comfy_nodes) -> list[Variant]:
         out += [toma(tn, f"ToMA {scope}", f"r={r:g}", r, scope=scope) for r in RATIOS]
     out += [Variant("ToMeSD", f"r={r:g}", lambda m, r=r: tn.ToMeSDPatchModel().patch(m, r)[0]) for r in RATIOS]
     out += [Variant("CA-ToMe", f"t={t:g}", lambda m, t=t: tn.CAToMePatchModel().patch(m, t)[0]) for t in THRESHOLDS]
-    if comfy_nodes is not None and "TomePatchModel" in comfy_nodes.NODE_CLASS_MAPPINGS:
-        out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: builtin_tome(comfy_nodes, m, r)) for r in RATIOS]
+    out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: builtin_tome(comfy_nodes, m, r)) for r in RATIOS]
     return out
 
 
 def toma_settings(tn, arch: str) -> list[Variant]:
     """ToMA's settings one at a time around the node defaults, at ratios 0.5 and 0.75."""
-    advanced = tn.ToMAPatchModelAdvanced
     out = [Variant("unpatched", "", lambda m: m)]
     for r in (0.5, 0.75):
         out.append(toma(tn, "ToMA defaults", f"r={r:g}", r))
@@ -109,23 +82,18 @@ def toma_settings(tn, arch: str) -> list[Variant]:
         out += [toma(tn, f"ToMA reuse {k}", f"r={r:g}", r, reuse_interval=k) for k in (1, 10)]
         if arch == "sd15":
             out.append(toma(tn, "ToMA levels auto+next", f"r={r:g}", r, levels="auto+next"))
-        if node_accepts(advanced, "merge_every"):
-            out.append(toma(tn, "ToMA merge every 2", f"r={r:g}", r, merge_every=2))
+        out.append(toma(tn, "ToMA merge every 2", f"r={r:g}", r, merge_every=2))
     return out
 
 
 def dit_methods(tn) -> list[Variant]:
     """ToMA on Flux: the two double-block placements (whole block merged; attention only, the paper's),
     each every step and every third step (the official Flux run's schedule). Only ToMA patches DiTs."""
-    advanced = tn.ToMAPatchModelAdvanced
-    scopes = [s for s in ("block", "attention") if s in advanced.INPUT_TYPES()["required"]["scope"][0]]
-    every = (1, 3) if node_accepts(advanced, "merge_every") else (1,)
     out = [Variant("unpatched", "", lambda m: m)]
-    for scope in scopes:
-        for k in every:
-            extra = {"merge_every": k} if k > 1 else {}
+    for scope in ("block", "attention"):
+        for k in (1, 3):
             family = f"ToMA {scope}" + (f", 1 step in {k}" if k > 1 else "")
-            out += [toma(tn, family, f"r={r:g}", r, scope=scope, **extra) for r in RATIOS]
+            out += [toma(tn, family, f"r={r:g}", r, scope=scope, merge_every=k) for r in RATIOS]
     return out
 
 

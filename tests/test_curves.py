@@ -1,0 +1,66 @@
+"""``python -m toma_bench.curves``: its metric, its variant sets and a whole run on a tiny proxy in the
+ComfyUI under test (a subprocess: the benchmark imports ComfyUI with its own settings)."""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from toma_bench import comfy_host, curves, proxy
+from toma_bench.metrics import ssim
+
+
+def test_ssim_is_one_for_equal_pictures_and_falls_with_noise():
+    g = torch.Generator().manual_seed(0)
+    picture = torch.rand(2, 24, 24, 3, generator=g)
+    assert ssim(picture, picture) == pytest.approx(1.0)
+    noise = torch.randn(picture.shape, generator=g)
+    scores = [ssim((picture + s * noise).clamp(0, 1), picture) for s in (0.02, 0.1, 0.3)]
+    assert 1.0 > scores[0] > scores[1] > scores[2]
+    assert ssim(picture, picture * 0.5) == pytest.approx(ssim(picture * 0.5, picture))  # symmetric
+
+
+class FakeToMANodes:
+    """What the variant builders read of the pack's toma_nodes module (nothing is patched here)."""
+
+    DEFAULT_WINDOW, DEFAULT_REUSE = 4, 5
+    ToMAPatchModelAdvanced = ToMeSDPatchModel = CAToMePatchModel = object
+
+
+def test_flux_methods_are_both_placements_every_step_and_one_in_three():
+    labels = [v.label for v in curves.dit_methods(FakeToMANodes)]
+    assert labels[0] == "unpatched" and len(labels) == 1 + 2 * 2 * len(curves.RATIOS)
+    for scope in ("block", "attention"):
+        for r in curves.RATIOS:
+            assert f"ToMA {scope} r={r:g}" in labels and f"ToMA {scope}, 1 step in 3 r={r:g}" in labels
+
+
+def test_unet_methods_sweep_every_baseline_knob():
+    families = [v.family for v in curves.unet_methods(FakeToMANodes, comfy_nodes=None)]
+    assert families.count("ToMeSD") == families.count("ComfyUI ToMe") == len(curves.RATIOS)
+    assert families.count("CA-ToMe") == len(curves.THRESHOLDS)
+    assert families.count("ToMA attention") == families.count("ToMA block") == len(curves.RATIOS)
+
+
+def test_a_run_on_a_tiny_proxy_prints_every_variant_and_draws(comfy, tmp_path):
+    model = proxy.build("sd15", proxy.SD15_TINY, seed=0)  # random weights: merging changes pixels
+    proxy.save(model, tmp_path / "tiny.safetensors", proxy.SD15_TINY, {"size": "tiny", "steps": 0})
+    env = dict(os.environ, COMFYUI_PATH=str(comfy), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "toma_bench.curves", "--set", "toma", "--proxy",
+                           str(tmp_path / "tiny.safetensors"), "--side", "8", "--batch", "1", "--steps", "3",
+                           "--repeats", "2", "--out", str(tmp_path)],
+                          cwd=comfy_host.REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "command: python -m toma_bench.curves --arch sd15 --set toma --side 8 --batch 1 --steps 3" in out
+    rows = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^(\S.*?)\s{2,}\d+\.\d\d\s+.*?\s(inf|\d+\.\d\d)\s+\d\.\d{4}\s+\d\.\d{4}$",
+                                                                 out, re.M)}
+    assert rows["unpatched"] == "inf"
+    labels = [v.label for v in curves.toma_settings(FakeToMANodes, "sd15")]
+    assert set(rows) == set(labels)
+    assert math.isfinite(float(rows["ToMA defaults r=0.75"]))  # merging moved the pictures
+    for name in ("curves_sd15_toma_8.png", "curves_sd15_toma_8_samples.png"):
+        assert (tmp_path / name).stat().st_size > 1000
