@@ -237,3 +237,13 @@ def test_latent_round_trip_through_comfyui_latent_format(comfy):
     samples = proxy.images_to_latent(model, gray.repeat(1, 1, 1, 3))
     assert samples.shape == (2, 4, 8, 8)
     torch.testing.assert_close(proxy.latent_to_images(model, samples), gray.repeat(1, 1, 1, 3), atol=1e-5, rtol=0)
+
+
+@needs_wan
+def test_wan_latent_round_trip_takes_the_pictures_as_frames(comfy):
+    """For wan, images_to_latent makes the IMAGE batch one clip (its frames), as ComfyUI's video nodes do."""
+    model = proxy.build("wan", proxy.WAN_TINY)
+    gray = torch.rand(3, 16, 16, 1, generator=torch.Generator().manual_seed(0))
+    samples = proxy.images_to_latent(model, gray)
+    assert samples.shape == (1, 16, 3, 4, 4)
+    torch.testing.assert_close(proxy.latent_to_images(model, samples), gray.repeat(1, 1, 1, 3), atol=1e-5, rtol=0)
