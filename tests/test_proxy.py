@@ -208,7 +208,7 @@ def check_samples(model):
     images = proxy.latent_to_images(model, samples)
     noise = proxy.latent_to_images(model, model.model.process_latent_out(torch.randn(
         samples.shape, generator=torch.Generator().manual_seed(1))))
-    assert torch.isfinite(images).all() and images.shape[0] == 2
+    assert torch.isfinite(images).all() and images.shape[0] == 2 * (proxy.spec_of(proxy.arch_of(model)).frames or 1)
     assert total_variation(images) < 0.4 * total_variation(noise)
     assert float(images.std()) > 0.02  # not a flat grey
 
@@ -227,6 +227,14 @@ def test_shipped_flux_proxy_denoises_and_samples(comfy):
     assert (len(dm.double_blocks), len(dm.single_blocks)) == (proxy.FLUX_PROXY["depth"],
                                                                 proxy.FLUX_PROXY["depth_single_blocks"])
     check_shipped(model, "flux", max_ratio=0.5)
+    check_samples(model)
+
+
+@needs_wan
+def test_shipped_wan_proxy_denoises_and_samples(comfy):
+    model = proxy.load_wan()
+    assert len(model.model.diffusion_model.blocks) == proxy.WAN_PROXY["num_layers"]
+    check_shipped(model, "wan", max_ratio=0.4)
     check_samples(model)
 
 

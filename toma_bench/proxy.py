@@ -671,8 +671,8 @@ def main(argv=None) -> None:
     tr.add_argument("--out", default=None, help="safetensors path (default: toma_bench/proxies/<arch>_proxy.safetensors)")
     tr.add_argument("--threads", type=lambda s: positive_int("--threads", s), default=1, help="torch CPU threads (default 1)")
     ck = sub.add_parser("check", help="held-out loss vs random init, and a PNG grid of samples, per shipped proxy")
-    ck.add_argument("--arch", default="sd15,flux", help="comma list of sd15, flux, wan (default sd15,flux; flux and "
-                    "wan need current ComfyUI)")
+    ck.add_argument("--arch", default="sd15,flux,wan", help="comma list of sd15, flux, wan (default all three; flux "
+                    "and wan need current ComfyUI, and are skipped elsewhere)")
     ck.add_argument("--dir", default=str(PROXY_DIR), help="folder of the proxies' safetensors (default: the shipped ones)")
     ck.add_argument("--out", default=None, help=f"folder for the PNG grids (default {DEFAULT_CHECK_DIR.relative_to(REPO)})")
     ck.add_argument("--steps", type=lambda s: positive_int("--steps", s), default=20, help="sampler steps (default 20)")
