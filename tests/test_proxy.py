@@ -5,6 +5,7 @@ ComfyUI's sampler draws pictures from noise with them.
 The held-out loss here uses the first HELDOUT_CROPS_IN_TESTS crops of the held-out set (all noise levels)
 to keep each test under a minute; ``python -m toma_bench.proxy check`` uses all of them.
 """
+import json
 import math
 import os
 import subprocess
@@ -29,6 +30,17 @@ def host_has_flux() -> bool:
 
 needs_flux = pytest.mark.skipif(not host_has_flux(), reason="this ComfyUI has no comfy.ldm.flux (Flux exists only in "
                                 "current ComfyUI: set COMFYUI_PATH, e.g. to the .comfyui-current of tests/setup_current.sh)")
+
+
+def host_has_wan() -> bool:
+    try:
+        return (comfy_host.comfy_root() / "comfy" / "ldm" / "wan" / "model.py").is_file()
+    except RuntimeError:
+        return False
+
+
+needs_wan = pytest.mark.skipif(not host_has_wan(), reason="this ComfyUI has no comfy.ldm.wan (Wan exists only in "
+                               "current ComfyUI: set COMFYUI_PATH, e.g. to the .comfyui-current of tests/setup_current.sh)")
 
 
 def heldout_subset(arch: str):
@@ -65,6 +77,32 @@ def test_crops_are_seeded_and_come_from_the_photographs():
     assert a.shape == (4, 1, 64, 64) and a.min() >= -1 and a.max() <= 1
     assert float(a.std(dim=(1, 2, 3)).min()) > 0.01  # pictures, not blank crops
     assert not set(proxy.TRAIN_IMAGES) & set(proxy.HELDOUT_IMAGES)
+
+
+def test_clips_are_seeded_and_pan_by_whole_pixels():
+    images = proxy.source_images(proxy.TRAIN_IMAGES)
+    a = proxy.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(5))
+    b = proxy.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(5))
+    c = proxy.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.shape == (3, 1, 4, 32, 32) and a.min() >= -1 and a.max() <= 1
+    for clip in a[:, 0]:
+        for before, after in zip(clip[:-1], clip[1:]):
+            assert not torch.equal(before, after)
+            # some shift of at most MAX_PAN pixels, not none, maps one frame onto the next where they overlap
+            shifts = [(dy, dx) for dy in range(-proxy.MAX_PAN, proxy.MAX_PAN + 1)
+                      for dx in range(-proxy.MAX_PAN, proxy.MAX_PAN + 1) if (dy, dx) != (0, 0)
+                      and torch.equal(after[max(0, -dy):32 - max(0, dy), max(0, -dx):32 - max(0, dx)],
+                                      before[max(0, dy):32 - max(0, -dy), max(0, dx):32 - max(0, -dx)])]
+            assert shifts, "consecutive frames are not one shifted picture"
+
+
+def test_video_codec_encodes_each_frame_alone():
+    clips = torch.rand(2, 1, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = proxy.encode(clips, 4)
+    assert latents.shape == (2, 16, 3, 4, 4)
+    torch.testing.assert_close(latents[:, :, 1], proxy.encode(clips[:, :, 1], 4))
+    torch.testing.assert_close(proxy.decode(latents, 4), clips, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("argv, bad", [
@@ -119,6 +157,41 @@ def test_flux_trains_through_comfyui_in_place_blocks(comfy):
     assert not isinstance(block.pre_norm, proxy.CopyInput)
 
 
+@needs_wan
+def test_wan_train_command_runs_and_changes_the_weights(comfy, tmp_path):
+    """A few steps of the tiny Wan config through the command line, in current ComfyUI (a video DiT: 5-D
+    clips, the flow loss, ComfyUI's WanModel blocks under autograd)."""
+    out = tmp_path / "wan_tiny.safetensors"
+    env = dict(os.environ, COMFYUI_PATH=str(comfy))
+    done = subprocess.run([sys.executable, "-m", "toma_bench.proxy", "train", "--arch", "wan", "--size", "tiny",
+                           "--steps", "3", "--batch", "2", "--log-every", "3", "--seed", "3", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = proxy.read_metadata(out)
+    assert meta["arch"] == "wan" and meta["unet_config"] == json.loads(json.dumps(proxy.WAN_TINY))
+    assert all(math.isfinite(row["train_loss"]) and math.isfinite(row["heldout_loss"])
+               for row in meta["training"]["history"])
+
+    model = proxy.load(out)
+    assert proxy.arch_of(model) == "wan"
+    trained = model.model.diffusion_model.state_dict()
+    start = proxy.build("wan", proxy.WAN_TINY, seed=3, zero_outputs=True).model.diffusion_model.state_dict()
+    changed = [k for k in start if not torch.equal(trained[k], start[k].half().float())]
+    assert len(changed) > len(start) // 2, f"only {len(changed)} of {len(start)} tensors changed"
+
+
+@needs_wan
+def test_wan_samples_are_clips_of_pictures(comfy):
+    """sample() draws 5-D noise for wan and latent_to_images gives every frame, clip by clip."""
+    model = proxy.build("wan", proxy.WAN_TINY)
+    samples = proxy.sample(model, batch=2, steps=2, side=8)
+    assert samples.shape == (2, 16, proxy.WAN_FRAMES, 8, 8)
+    images = proxy.latent_to_images(model, samples)
+    assert images.shape == (2 * proxy.WAN_FRAMES, 32, 32, 3)
+    torch.testing.assert_close(images[proxy.WAN_FRAMES + 1],
+                               proxy.latent_to_images(model, samples[1:2, :, 1:2])[0])
+
+
 def check_shipped(model, arch: str, max_ratio: float):
     heldout = heldout_subset(arch)
     config = proxy.read_metadata(proxy.PROXY_DIR / proxy.SPECS[arch].file)["unet_config"]
@@ -135,7 +208,7 @@ def check_samples(model):
     images = proxy.latent_to_images(model, samples)
     noise = proxy.latent_to_images(model, model.model.process_latent_out(torch.randn(
         samples.shape, generator=torch.Generator().manual_seed(1))))
-    assert torch.isfinite(images).all() and images.shape[0] == 2
+    assert torch.isfinite(images).all() and images.shape[0] == 2 * (proxy.spec_of(proxy.arch_of(model)).frames or 1)
     assert total_variation(images) < 0.4 * total_variation(noise)
     assert float(images.std()) > 0.02  # not a flat grey
 
@@ -157,10 +230,28 @@ def test_shipped_flux_proxy_denoises_and_samples(comfy):
     check_samples(model)
 
 
+@needs_wan
+def test_shipped_wan_proxy_denoises_and_samples(comfy):
+    model = proxy.load_wan()
+    assert len(model.model.diffusion_model.blocks) == proxy.WAN_PROXY["num_layers"]
+    check_shipped(model, "wan", max_ratio=0.4)
+    check_samples(model)
+
+
 def test_latent_round_trip_through_comfyui_latent_format(comfy):
     """images_to_latent then latent_to_images gives the gray picture back (through process_latent_out/in)."""
     model = proxy.build("sd15", proxy.SD15_TINY)
     gray = torch.rand(2, 16, 16, 1, generator=torch.Generator().manual_seed(0))
     samples = proxy.images_to_latent(model, gray.repeat(1, 1, 1, 3))
     assert samples.shape == (2, 4, 8, 8)
+    torch.testing.assert_close(proxy.latent_to_images(model, samples), gray.repeat(1, 1, 1, 3), atol=1e-5, rtol=0)
+
+
+@needs_wan
+def test_wan_latent_round_trip_takes_the_pictures_as_frames(comfy):
+    """For wan, images_to_latent makes the IMAGE batch one clip (its frames), as ComfyUI's video nodes do."""
+    model = proxy.build("wan", proxy.WAN_TINY)
+    gray = torch.rand(3, 16, 16, 1, generator=torch.Generator().manual_seed(0))
+    samples = proxy.images_to_latent(model, gray)
+    assert samples.shape == (1, 16, 3, 4, 4)
     torch.testing.assert_close(proxy.latent_to_images(model, samples), gray.repeat(1, 1, 1, 3), atol=1e-5, rtol=0)

@@ -238,7 +238,8 @@ def sample_grid(rows: list[Row], pictures: list[torch.Tensor], path: Path, colum
 # -- main ---------------------------------------------------------------------------------------------
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.curves", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", choices=list(proxy.SPECS), default="sd15", help="which trained proxy (default sd15)")
+    # pictures only: the wan proxy samples clips
+    ap.add_argument("--arch", choices=["sd15", "flux"], default="sd15", help="which trained proxy (default sd15)")
     ap.add_argument("--set", choices=["methods", "toma"], default="methods",
                     help="methods: every method's knob swept; toma: ToMA's settings around its defaults")
     ap.add_argument("--side", type=int, default=proxy.LATENT_SIDE,

@@ -1,30 +1,32 @@
 """Trained proxy denoisers: small real-architecture ComfyUI models trained on bundled photographs.
 
-    python -m toma_bench.proxy train --arch sd15|flux [--steps N] [--batch B] [--lr LR] [--seed S]
+    python -m toma_bench.proxy train --arch sd15|flux|wan [--steps N] [--batch B] [--lr LR] [--seed S]
                                      [--size proxy|tiny] [--out FILE] [--log-every N] [--threads T]
-    python -m toma_bench.proxy check [--arch sd15,flux] [--out DIR] [--steps 20] [--sampler euler]
+    python -m toma_bench.proxy check [--arch sd15,flux,wan] [--out DIR] [--steps 20] [--sampler euler]
                                      [--samples 16] [--threads T]
 
 No real diffusion weights can be downloaded here, and random weights denoise nothing, so merging errors
 on them say little about pictures. These proxies are ComfyUI's own model classes (an SD1.x-layout
-``UNetModel`` and a ``Flux`` DiT) trained for some minutes on a CPU to denoise grayscale crops of the
-public-domain/CC0 photographs bundled in scikit-image's wheel. ComfyUI's samplers turn noise into
+``UNetModel``, a ``Flux`` DiT and a Wan 2.1 video DiT, ``WanModel``) trained for some minutes on a CPU to
+denoise grayscale crops of the public-domain/CC0 photographs bundled in scikit-image's wheel (short clips
+panning over them for Wan). ComfyUI's samplers turn noise into
 pictures with them, so a merge that damages the model shows up in pictures a person can judge.
 
 Pictures become latents by a fixed invertible map, not a VAE: a grayscale crop is cut into p x p pixel
 blocks (space-to-depth, p = 2 for the UNet, 4 for Flux), each block's p^2 pixels go through a fixed
 seeded orthogonal matrix and a fixed scale, giving the model-space latent (what the diffusion model
 sees, after ComfyUI's ``process_latent_in``). The UNet sees 64x64 pictures as 4x32x32 latents, Flux
-128x128 pictures as 16x32x32 latents (16x16 tokens).
+128x128 pictures as 16x32x32 latents (16x16 tokens), Wan clips of WAN_FRAMES 128x128 frames as
+16xWAN_FRAMESx32x32 latents (each frame encoded alone: no temporal compression, unlike Wan's VAE).
 
 Each model is trained in the parametrisation of its ComfyUI ``model_sampling``, through ComfyUI's
 ``apply_model``: the loss is ``((denoised - x0) / sigma)^2``, which is the epsilon-prediction loss for
-SD1.x's discrete EPS schedule and the velocity (noise - x0) loss for Flux's rectified flow (CONST).
-Conditioning is fixed (an unconditional denoiser that accepts ComfyUI's normal call): a seeded text
-context (and pooled vector for Flux) that ``conditioning()`` returns.
+SD1.x's discrete EPS schedule and the velocity (noise - x0) loss for Flux's and Wan's rectified flow
+(CONST). Conditioning is fixed (an unconditional denoiser that accepts ComfyUI's normal call): a seeded
+text context (and pooled vector for Flux) that ``conditioning()`` returns.
 
 Library use (ComfyUI must already be importable with its device chosen, as for toma_bench.models):
-``load_unet()``/``load_flux()`` give ModelPatchers; ``conditioning(model)`` their CONDITIONING;
+``load_unet()``/``load_flux()``/``load_wan()`` give ModelPatchers; ``conditioning(model)`` their CONDITIONING;
 ``sample(model, ...)`` LATENT samples from noise; ``latent_to_images``/``images_to_latent`` convert
 between LATENT samples and ComfyUI IMAGE tensors; ``heldout_loss(model)`` the held-out denoising loss.
 """
@@ -60,13 +62,18 @@ SD15_TINY = dict(SD15_PROXY, model_channels=32, channel_mult=[1, 1, 1], context_
 FLUX_PROXY = dict(models.FLUX_FULL, guidance_embed=False, vec_in_dim=32, context_in_dim=64, hidden_size=128,
                   num_heads=2, depth=2, depth_single_blocks=4, axes_dim=[16, 24, 24])
 FLUX_TINY = dict(models.FLUX_TINY, guidance_embed=False)
+# Wan 2.1 T2V layout (self-attention with 3-axis RoPE over frames x rows x columns, cross-attention to the
+# text, 16 channels, patch (1, 2, 2)), small: head size 64 (RoPE axes 24/20/20), a short narrow text.
+WAN_PROXY = dict(models.WAN_1_3B, dim=128, ffn_dim=512, num_heads=2, num_layers=3, text_dim=64, text_len=8)
+WAN_TINY = dict(models.WAN_TINY, num_layers=2, text_dim=16, text_len=8)
+WAN_FRAMES = 4  # latent (and pixel) frames of a training clip
 
 
 @dataclass(frozen=True)
 class Spec:
-    """What differs between the two proxies."""
+    """What differs between the proxies."""
 
-    arch: str  # "sd15" or "flux"
+    arch: str  # "sd15", "flux" or "wan"
     model_class: str  # class in comfy.supported_models
     configs: dict  # size name -> unet_config
     block: int  # pixels per latent pixel along each side (space-to-depth factor)
@@ -76,6 +83,7 @@ class Spec:
     batch: int  # default training batch
     lr: float  # default peak learning rate
     steps: int  # default training steps (about 25 minutes of one busy CPU core)
+    frames: int | None = None  # frames of a clip for a video model (latents (B, C, frames, H, W)); None: pictures
 
     @property
     def channels(self) -> int:
@@ -87,6 +95,8 @@ SPECS = {
                  "sd15_proxy.safetensors", 8, 1e-3, 450),
     "flux": Spec("flux", "Flux", {"proxy": FLUX_PROXY, "tiny": FLUX_TINY}, 4, 8, "simple",
                  "flux_proxy.safetensors", 8, 6e-4, 1600),
+    "wan": Spec("wan", "WAN21_T2V", {"proxy": WAN_PROXY, "tiny": WAN_TINY}, 4, 8, "simple",
+                "wan_proxy.safetensors", 8, 8e-4, 500, frames=WAN_FRAMES),
 }
 LATENT_SIDE = 32  # latent pixels per side in training, evaluation and samples
 CODEC_SEED, CONTEXT_SEED = 1234, 4321
@@ -102,8 +112,9 @@ def spec_of(arch: str) -> Spec:
 
 
 def arch_of(model) -> str:
-    """"flux" or "sd15" for a ModelPatcher built by this module."""
-    return "flux" if model.model.model_config.unet_config.get("image_model") == "flux" else "sd15"
+    """"sd15", "flux" or "wan" for a ModelPatcher built by this module."""
+    image_model = model.model.model_config.unet_config.get("image_model")
+    return {"flux": "flux", "wan2.1": "wan"}.get(image_model, "sd15")
 
 
 # -- pictures <-> latents ------------------------------------------------------------------------------
@@ -116,29 +127,49 @@ def codec_matrix(channels: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
+def per_frame(code, x: torch.Tensor) -> torch.Tensor:
+    """``code`` (4-D -> 4-D) applied to every frame of a 5-D video tensor (B, C, T, H, W); 4-D passes through."""
+    if x.ndim == 4:
+        return code(x)
+    b, t = x.shape[0], x.shape[2]
+    return code(x.transpose(1, 2).flatten(0, 1)).unflatten(0, (b, t)).transpose(1, 2)
+
+
 def encode(pixels: torch.Tensor, block: int) -> torch.Tensor:
-    """Grayscale pictures (B, 1, H, W) in [-1, 1] -> model-space latents (B, block^2, H/block, W/block)."""
-    x = F.pixel_unshuffle(pixels, block)
-    return DATA_SCALE * torch.einsum("ck,bkhw->bchw", codec_matrix(block * block).to(x), x)
+    """Grayscale pictures (B, 1, H, W) in [-1, 1] -> model-space latents (B, block^2, H/block, W/block);
+    clips (B, 1, T, H, W) frame by frame -> (B, block^2, T, H/block, W/block)."""
+    def code(x):
+        x = F.pixel_unshuffle(x, block)
+        return DATA_SCALE * torch.einsum("ck,bkhw->bchw", codec_matrix(block * block).to(x), x)
+
+    return per_frame(code, pixels)
 
 
 def decode(latents: torch.Tensor, block: int) -> torch.Tensor:
     """Inverse of ``encode``."""
-    x = torch.einsum("kc,bkhw->bchw", codec_matrix(block * block).to(latents), latents / DATA_SCALE)
-    return F.pixel_shuffle(x, block)
+    def code(x):
+        return F.pixel_shuffle(torch.einsum("kc,bkhw->bchw", codec_matrix(block * block).to(x), x / DATA_SCALE), block)
+
+    return per_frame(code, latents)
 
 
 def latent_to_images(model, samples: torch.Tensor) -> torch.Tensor:
-    """LATENT samples (what ``comfy.sample.sample`` returns) -> ComfyUI IMAGE (B, H, W, 3) in [0, 1], gray."""
+    """LATENT samples (what ``comfy.sample.sample`` returns) -> ComfyUI IMAGE (B, H, W, 3) in [0, 1], gray.
+    Video latents (B, C, T, h, w) give every frame as a picture, clip by clip: IMAGE (B * T, H, W, 3)."""
     pixels = decode(model.model.process_latent_in(samples.float()), spec_of(arch_of(model)).block)
+    if pixels.ndim == 5:
+        pixels = pixels.transpose(1, 2).flatten(0, 1)
     return ((pixels.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1).repeat(1, 1, 1, 3)
 
 
 def images_to_latent(model, images: torch.Tensor) -> torch.Tensor:
     """ComfyUI IMAGE (B, H, W, C) in [0, 1], C = 1 or 3 (taken to luma) -> LATENT samples for ``model``
-    (e.g. for img2img). H and W must be multiples of the proxy's block (2 for sd15, 4 for flux)."""
+    (e.g. for img2img). H and W must be multiples of the proxy's block (2 for sd15, 4 for flux and wan).
+    For wan the B pictures are the frames of one clip, as ComfyUI's video nodes take them: (1, C, B, h, w)."""
     gray = images if images.shape[-1] == 1 else to_luma(images)
     pixels = gray.permute(0, 3, 1, 2).float() * 2 - 1
+    if spec_of(arch_of(model)).frames:
+        pixels = pixels.transpose(0, 1)[None]
     return model.model.process_latent_out(encode(pixels, spec_of(arch_of(model)).block))
 
 
@@ -154,6 +185,7 @@ def to_luma(rgb: torch.Tensor) -> torch.Tensor:
 TRAIN_IMAGES = ("astronaut", "camera", "coffee", "coins", "rocket", "brick", "grass", "gravel")
 HELDOUT_IMAGES = ("chelsea",)
 MAX_ZOOM = 3.0  # crops cover 1x to 3x the model's picture side before downscaling
+MAX_PAN = 4  # pixels a clip moves per frame at most (one latent pixel)
 HELDOUT_CROPS, HELDOUT_SEED = 16, 99
 # Fixed noise levels of the held-out loss, as fractions of the schedule from least to most noise.
 HELDOUT_LEVELS = (0.02, 0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 0.98)
@@ -191,19 +223,48 @@ def random_crops(images: list[torch.Tensor], count: int, side: int, generator: t
     return out
 
 
+def random_clips(images: list[torch.Tensor], count: int, frames: int, side: int,
+                 generator: torch.Generator) -> torch.Tensor:
+    """(count, 1, frames, side, side) clips panning over the photographs: a random_crops crop of a larger
+    canvas, then ``frames`` windows of it that move by a fixed random direction and speed (1 to MAX_PAN
+    pixels per frame, rounded to whole pixels): consecutive frames differ by a shift of whole pixels."""
+    out = torch.empty(count, 1, frames, side, side)
+    for i in range(count):
+        angle = float(torch.rand((), generator=generator)) * 2 * math.pi
+        speed = 1 + float(torch.rand((), generator=generator)) * (MAX_PAN - 1)
+        path = [(round(k * speed * math.sin(angle)), round(k * speed * math.cos(angle))) for k in range(frames)]
+        top0, left0 = min(p[0] for p in path), min(p[1] for p in path)
+        path = [(top - top0, left - left0) for top, left in path]
+        canvas = random_crops(images, 1, side + max(max(p) for p in path), generator)[0, 0]
+        for k, (top, left) in enumerate(path):
+            out[i, 0, k] = canvas[top:top + side, left:left + side]
+    return out
+
+
+def training_pictures(spec: Spec, images: list[torch.Tensor], count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` random pictures (B, 1, H, W) of the proxy's size, or clips (B, 1, T, H, W) for a video proxy."""
+    side = LATENT_SIDE * spec.block
+    if spec.frames:
+        return random_clips(images, count, spec.frames, side, generator)
+    return random_crops(images, count, side, generator)
+
+
 # -- models -------------------------------------------------------------------------------------------
 def build(arch: str, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32, zero_outputs: bool = False):
     """A ModelPatcher of ``arch`` with seeded random weights (toma_bench.models' PyTorch-default init).
     ``zero_outputs``: the training start instead, as LDM and DiT initialise: the last layer of every
-    residual branch (ResBlock out conv, SpatialTransformer proj_out; Flux's adaLN modulations) and the
-    output layer at zero, so every block starts as the identity and the model predicts 0."""
+    residual branch (ResBlock out conv, SpatialTransformer proj_out; Flux's adaLN modulations; Wan's
+    attention and feed-forward output layers) and the output layer at zero, so every block starts as the
+    identity and the model predicts 0."""
     import comfy.supported_models
 
     spec = spec_of(arch)
     if not hasattr(comfy.supported_models, spec.model_class):
-        raise RuntimeError(f"this ComfyUI has no {spec.model_class} model (Flux exists only in current ComfyUI)")
+        raise RuntimeError(f"this ComfyUI has no {spec.model_class} model (Flux and Wan exist only in current ComfyUI)")
     if arch == "flux":
         model = models.build_flux(seed, dtype, config)
+    elif arch == "wan":
+        model = models.build_wan("t2v", seed, dtype, config)
     else:
         model = build_sd15(config, seed, dtype)
     if zero_outputs:
@@ -232,6 +293,10 @@ def zero_residual_outputs_(dm: torch.nn.Module, arch: str) -> None:
 
         layers = [m.lin for m in dm.modules() if isinstance(m, Modulation)]
         layers += [dm.final_layer.adaLN_modulation[-1], dm.final_layer.linear]
+    elif arch == "wan":
+        # Wan's gates are a parameter plus the time embedding, not a layer of their own: the branch outputs go
+        layers = [layer for block in dm.blocks for layer in (block.self_attn.o, block.cross_attn.o, block.ffn[-1])]
+        layers.append(dm.head.head)
     else:
         from comfy.ldm.modules.attention import SpatialTransformer
         from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
@@ -289,6 +354,11 @@ def load_flux(dtype: torch.dtype = torch.float32, path: Path | None = None):
     return load(Path(path or PROXY_DIR / SPECS["flux"].file), dtype)
 
 
+def load_wan(dtype: torch.dtype = torch.float32, path: Path | None = None):
+    """The shipped Wan 2.1-layout proxy video DiT as a ComfyUI ModelPatcher (current ComfyUI only)."""
+    return load(Path(path or PROXY_DIR / SPECS["wan"].file), dtype)
+
+
 def context_tensors(model) -> dict:
     """The fixed conditioning the proxy was trained with, as ``apply_model`` keywords for a batch of
     1: ``c_crossattn`` (1, tokens, context dim) and, for Flux, the pooled vector ``y`` (1, vec_in_dim)."""
@@ -298,6 +368,8 @@ def context_tensors(model) -> dict:
     if arch == "flux":
         context = torch.randn(1, tokens, config["context_in_dim"], generator=g)
         return {"c_crossattn": context, "y": torch.randn(1, config["vec_in_dim"], generator=g)}
+    if arch == "wan":
+        return {"c_crossattn": torch.randn(1, tokens, config["text_dim"], generator=g)}
     return {"c_crossattn": torch.randn(1, tokens, config["context_dim"], generator=g)}
 
 
@@ -316,16 +388,16 @@ def conditioning(model, batch: int = 1):
 # -- objective ----------------------------------------------------------------------------------------
 def sigmas_at(model, fractions: torch.Tensor) -> torch.Tensor:
     """Noise levels at ``fractions`` (0 = least noise, 1 = most) of the model's schedule: the discrete
-    SD1.x timesteps for the UNet, the flow time sigma in (0, 1) for Flux (unshifted)."""
+    SD1.x timesteps for the UNet, the flow time sigma in (0, 1) for Flux and Wan (unshifted)."""
     sampling = model.model.model_sampling
-    if arch_of(model) == "flux":
+    if arch_of(model) != "sd15":
         return fractions.clamp(1e-3, 1 - 1e-3)
     index = (fractions * (len(sampling.sigmas) - 1)).round().long()
     return sampling.sigmas[index].float()
 
 
 def draw_fractions(arch: str, count: int, generator: torch.Generator) -> torch.Tensor:
-    """Training noise levels: uniform over the UNet's discrete timesteps (as SD trains); for Flux a
+    """Training noise levels: uniform over the UNet's discrete timesteps (as SD trains); for Flux and Wan a
     logit-normal flow time (as SD3/Flux train) mixed with 20% uniform so the ends of the schedule the
     samplers visit are learnt too."""
     if arch == "sd15":
@@ -340,19 +412,20 @@ def denoising_loss(model, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Te
     noise_scaling and apply_model: ((denoised - x0) / sigma)^2, i.e. the squared error of the model's
     native output (epsilon for EPS, velocity noise - x0 for CONST), averaged over the latent."""
     sampling = model.model.model_sampling
-    x = sampling.noise_scaling(sigma.view(-1, 1, 1, 1), noise, x0)
+    sigma_b = sigma.view(-1, *[1] * (x0.ndim - 1))  # against every element of a picture or clip
+    x = sampling.noise_scaling(sigma_b, noise, x0)
     tensors = context_tensors(model)
     kwargs = {k: v.expand(x.shape[0], *v.shape[1:]) for k, v in tensors.items()}
     denoised = model.model.apply_model(x, sigma, **kwargs)
-    return (((denoised - x0) / sigma.view(-1, 1, 1, 1)) ** 2).mean(dim=(1, 2, 3))
+    return (((denoised - x0) / sigma_b) ** 2).flatten(1).mean(dim=1)
 
 
 def heldout_set(arch: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x0, noise, fractions) of the held-out loss: HELDOUT_CROPS crops of HELDOUT_IMAGES, each at every
-    HELDOUT_LEVELS level with its own fixed noise; model-space latents."""
+    """(x0, noise, fractions) of the held-out loss: HELDOUT_CROPS crops (clips for wan) of HELDOUT_IMAGES,
+    each at every HELDOUT_LEVELS level with its own fixed noise; model-space latents."""
     spec = spec_of(arch)
     g = torch.Generator().manual_seed(HELDOUT_SEED)
-    crops = random_crops(source_images(HELDOUT_IMAGES), HELDOUT_CROPS, LATENT_SIDE * spec.block, g)
+    crops = training_pictures(spec, source_images(HELDOUT_IMAGES), HELDOUT_CROPS, g)
     x0 = encode(crops, spec.block).repeat_interleave(len(HELDOUT_LEVELS), 0)
     fractions = torch.tensor(HELDOUT_LEVELS).repeat(HELDOUT_CROPS)
     return x0, torch.randn(x0.shape, generator=g), fractions
@@ -433,7 +506,7 @@ def train(arch: str, config: dict, steps: int, batch: int, lr: float, seed: int 
             start, cpu_start = time.perf_counter(), time.process_time()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, steps, lr)
-            x0 = encode(random_crops(images, batch, LATENT_SIDE * spec.block, g), spec.block)
+            x0 = encode(training_pictures(spec, images, batch, g), spec.block)
             noise = torch.randn(x0.shape, generator=g)
             sigma = sigmas_at(model, draw_fractions(arch, batch, g))
             loss = denoising_loss(model, x0, noise, sigma).mean()
@@ -458,12 +531,14 @@ def train(arch: str, config: dict, steps: int, batch: int, lr: float, seed: int 
 # -- sampling -----------------------------------------------------------------------------------------
 def sample(model, seed: int = 0, batch: int = 16, steps: int = 20, sampler: str = "euler",
            scheduler: str | None = None, side: int = LATENT_SIDE) -> torch.Tensor:
-    """LATENT samples (batch, C, side, side) drawn from seeded noise by ComfyUI's sampler (cfg 1: the
-    proxies are unconditional). ``scheduler``: default normal for sd15, simple for flux."""
+    """LATENT samples (batch, C, side, side), for wan clips (batch, C, frames, side, side), drawn from
+    seeded noise by ComfyUI's sampler (cfg 1: the proxies are unconditional). ``scheduler``: default
+    normal for sd15, simple for flux and wan."""
     import comfy.sample
 
     spec = spec_of(arch_of(model))
-    noise = torch.randn(batch, spec.channels, side, side, generator=torch.Generator().manual_seed(seed))
+    frames = (spec.frames,) if spec.frames else ()
+    noise = torch.randn(batch, spec.channels, *frames, side, side, generator=torch.Generator().manual_seed(seed))
     positive, negative = conditioning(model, batch)
     with torch.no_grad():
         return comfy.sample.sample(model, noise, steps, 1.0, sampler, scheduler or spec.scheduler, positive,
@@ -569,11 +644,12 @@ def run_check(args) -> None:
               f"{trained / random_init:.3f}) | training start {start:.4f} (trained/start {trained / start:.3f})")
         began = time.perf_counter()
         samples = sample(model, args.seed, args.samples, args.steps, args.sampler)
+        columns = spec.frames or 4  # a clip per row
         grid = out_dir / f"{arch}_samples_{args.sampler}_{args.steps}steps.png"
-        save_grid(latent_to_images(model, samples), grid)
+        save_grid(latent_to_images(model, samples), grid, columns)
         reference = out_dir / f"{arch}_heldout_crops.png"
         crops = heldout[0][::len(HELDOUT_LEVELS)][:args.samples]
-        save_grid(latent_to_images(model, model.model.process_latent_out(crops)), reference)
+        save_grid(latent_to_images(model, model.model.process_latent_out(crops)), reference, columns)
         print(f"  {args.samples} samples, {args.sampler} {args.steps} steps ({spec.scheduler}) from seed "
               f"{args.seed} in {time.perf_counter() - began:.0f} s: {grid} (held-out crops: {reference})", flush=True)
 
@@ -595,12 +671,14 @@ def main(argv=None) -> None:
     tr.add_argument("--out", default=None, help="safetensors path (default: toma_bench/proxies/<arch>_proxy.safetensors)")
     tr.add_argument("--threads", type=lambda s: positive_int("--threads", s), default=1, help="torch CPU threads (default 1)")
     ck = sub.add_parser("check", help="held-out loss vs random init, and a PNG grid of samples, per shipped proxy")
-    ck.add_argument("--arch", default="sd15,flux", help="comma list of sd15, flux (default both; flux needs current ComfyUI)")
+    ck.add_argument("--arch", default="sd15,flux,wan", help="comma list of sd15, flux, wan (default all three; flux "
+                    "and wan need current ComfyUI, and are skipped elsewhere)")
     ck.add_argument("--dir", default=str(PROXY_DIR), help="folder of the proxies' safetensors (default: the shipped ones)")
     ck.add_argument("--out", default=None, help=f"folder for the PNG grids (default {DEFAULT_CHECK_DIR.relative_to(REPO)})")
     ck.add_argument("--steps", type=lambda s: positive_int("--steps", s), default=20, help="sampler steps (default 20)")
     ck.add_argument("--sampler", default="euler", help="ComfyUI sampler name (default euler)")
-    ck.add_argument("--samples", type=lambda s: positive_int("--samples", s), default=16, help="pictures per grid (default 16)")
+    ck.add_argument("--samples", type=lambda s: positive_int("--samples", s), default=16,
+                    help="pictures (clips for wan) per grid (default 16)")
     ck.add_argument("--seed", type=int, default=0, help="seed of the sampling noise")
     ck.add_argument("--threads", type=lambda s: positive_int("--threads", s), default=1, help="torch CPU threads (default 1)")
     args = ap.parse_args(argv)
