@@ -38,6 +38,11 @@ def test_flux_methods_are_both_placements_every_step_and_one_in_three():
             assert f"ToMA {scope} r={r:g}" in labels and f"ToMA {scope}, 1 step in 3 r={r:g}" in labels
 
 
+def test_video_methods_are_one_and_two_frame_windows_at_every_ratio():
+    labels = [v.label for v in curves.video_methods(FakeToMANodes)]
+    assert labels == ["unpatched"] + [f"ToMA {f}-frame windows r={r:g}" for f in (1, 2) for r in curves.RATIOS]
+
+
 def test_unet_methods_sweep_every_baseline_knob():
     families = [v.family for v in curves.unet_methods(FakeToMANodes, comfy_nodes=None)]
     assert families.count("ToMeSD") == families.count("ComfyUI ToMe") == len(curves.RATIOS)

@@ -1,6 +1,6 @@
 """Speed-vs-fidelity curves on the trained proxies: each method's knob swept, compared at equal speed.
 
-    python -m toma_bench.curves [--arch sd15|flux] [--set methods|toma] [--side 32] [--batch 4] [--steps 20]
+    python -m toma_bench.curves [--arch sd15|flux|wan] [--set methods|toma] [--side 32] [--batch 4] [--steps 20]
                                 [--repeats 5] [--threads 1] [--out DIR]
 
 The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x-layout UNet or Flux DiT, trained
@@ -22,8 +22,9 @@ not the process's CPU time (use one thread: a descheduled OpenMP thread stalls t
 
 Sets (``--set``): ``methods`` sweeps each method's knob (ToMA ratio for both scopes, ToMeSD ratio,
 CA-ToMe threshold, ComfyUI's ToMe ratio; on Flux, ToMA's two double-block placements and the
-merge-every-k-th-step schedule); ``toma`` varies ToMA's other settings around the node defaults
-(window size, reuse interval, levels, merge-every-k) at ratio 0.5 and 0.75, for choosing the defaults.
+merge-every-k-th-step schedule; on the Wan video proxy, ToMA's windows over 1 and 2 frames); ``toma``
+varies ToMA's other settings around the node defaults (window size, reuse interval, levels,
+merge-every-k) at ratio 0.5 and 0.75, for choosing the defaults. On wan, ``--batch`` counts clips.
 Output: a table, a plot (``<out>/curves_<arch>_<set>_<side>.png``: CPU-time speed-up vs PSNR and vs SSIM, a
 line per method) and a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``).
 """
@@ -83,6 +84,15 @@ def toma_settings(tn, arch: str) -> list[Variant]:
         if arch == "sd15":
             out.append(toma(tn, "ToMA levels auto+next", f"r={r:g}", r, levels="auto+next"))
         out.append(toma(tn, "ToMA merge every 2", f"r={r:g}", r, merge_every=2))
+    return out
+
+
+def video_methods(tn) -> list[Variant]:
+    """ToMA on the Wan video proxy (whole blocks merge; the ToMe baselines do not patch DiTs): windows
+    over 1 frame (each frame apart, as on images) and over 2 frames (the node's default), at every ratio."""
+    out = [Variant("unpatched", "", lambda m: m)]
+    for frames in (1, 2):
+        out += [toma(tn, f"ToMA {frames}-frame windows", f"r={r:g}", r, temporal_window=frames) for r in RATIOS]
     return out
 
 
@@ -239,7 +249,7 @@ def sample_grid(rows: list[Row], pictures: list[torch.Tensor], path: Path, colum
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.curves", description=__doc__.split("\n\n")[0])
     # pictures only: the wan proxy samples clips
-    ap.add_argument("--arch", choices=["sd15", "flux"], default="sd15", help="which trained proxy (default sd15)")
+    ap.add_argument("--arch", choices=list(proxy.SPECS), default="sd15", help="which trained proxy (default sd15)")
     ap.add_argument("--set", choices=["methods", "toma"], default="methods",
                     help="methods: every method's knob swept; toma: ToMA's settings around its defaults")
     ap.add_argument("--side", type=int, default=proxy.LATENT_SIDE,
@@ -279,17 +289,20 @@ def main(argv=None) -> None:
     spec = proxy.spec_of(args.arch)
     path = Path(args.proxy or proxy.PROXY_DIR / spec.file)
     base = proxy.load(path)
-    if args.arch == "flux":
+    if args.arch == "wan":
+        variants = video_methods(tn) if args.set == "methods" else toma_settings(tn, args.arch)
+    elif args.arch == "flux":
         variants = dit_methods(tn) if args.set == "methods" else toma_settings(tn, args.arch)
     else:
         variants = unet_methods(tn, comfy_nodes) if builtin_nodes else toma_settings(tn, args.arch)
-    tokens = (args.side // (1 if args.arch == "sd15" else 2)) ** 2
+    tokens = (args.side // (1 if args.arch == "sd15" else 2)) ** 2 * (spec.frames or 1)
     load = os.getloadavg()
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
           f"{os.cpu_count()} CPUs, load {load[0]:.1f}; torch {torch.__version__}, {args.threads} thread(s); ComfyUI "
           f"{'current' if comfy_host.is_current_comfy() else 'March 2024'} ({root.name}), SDPA", flush=True)
     print(f"command: {command_line(args)}")
-    print(f"{args.arch} proxy {path.name}; {args.batch} pictures of latent {args.side}x{args.side} ({tokens} image "
+    print(f"{args.arch} proxy {path.name}; {args.batch} {'clips' if spec.frames else 'pictures'} of latent "
+          f"{args.side}x{args.side}{f'x{spec.frames} frames' if spec.frames else ''} ({tokens} image "
           f"tokens at full resolution), euler/{spec.scheduler} {args.steps} steps, cfg 1, seed {SEED}; "
           f"{len(variants)} variants, {args.repeats} timed rounds", flush=True)
     with torch.inference_mode():
