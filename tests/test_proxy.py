@@ -120,15 +120,21 @@ def test_cli_errors_name_the_bad_argument(argv, bad, capsys):
 
 
 # -- ComfyUI ------------------------------------------------------------------------------------------
+def train_tiny_command(comfy, arch: str, out, log_every: int) -> dict:
+    """3 steps of ``arch``'s tiny config (seed 3, batch 2) through the command line in the ComfyUI under
+    test; the metadata of the file it wrote."""
+    env = dict(os.environ, COMFYUI_PATH=str(comfy))
+    done = subprocess.run([sys.executable, "-m", "toma_bench.proxy", "train", "--arch", arch, "--size", "tiny",
+                           "--steps", "3", "--batch", "2", "--log-every", str(log_every), "--seed", "3", "--out",
+                           str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return proxy.read_metadata(out)
+
+
 def test_train_command_runs_and_changes_the_weights(comfy, tmp_path):
     """A few steps of the tiny SD1.x config through the command line, in the ComfyUI under test."""
     out = tmp_path / "tiny.safetensors"
-    env = dict(os.environ, COMFYUI_PATH=str(comfy))
-    done = subprocess.run([sys.executable, "-m", "toma_bench.proxy", "train", "--arch", "sd15", "--size", "tiny",
-                           "--steps", "3", "--batch", "2", "--log-every", "1", "--seed", "3", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    meta = proxy.read_metadata(out)
+    meta = train_tiny_command(comfy, "sd15", out, log_every=1)
     assert meta["arch"] == "sd15" and meta["unet_config"] == proxy.SD15_TINY
     history = meta["training"]["history"]
     assert [row["step"] for row in history] == [1, 2, 3]
@@ -162,12 +168,7 @@ def test_wan_train_command_runs_and_changes_the_weights(comfy, tmp_path):
     """A few steps of the tiny Wan config through the command line, in current ComfyUI (a video DiT: 5-D
     clips, the flow loss, ComfyUI's WanModel blocks under autograd)."""
     out = tmp_path / "wan_tiny.safetensors"
-    env = dict(os.environ, COMFYUI_PATH=str(comfy))
-    done = subprocess.run([sys.executable, "-m", "toma_bench.proxy", "train", "--arch", "wan", "--size", "tiny",
-                           "--steps", "3", "--batch", "2", "--log-every", "3", "--seed", "3", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    meta = proxy.read_metadata(out)
+    meta = train_tiny_command(comfy, "wan", out, log_every=3)
     assert meta["arch"] == "wan" and meta["unet_config"] == json.loads(json.dumps(proxy.WAN_TINY))
     assert all(math.isfinite(row["train_loss"]) and math.isfinite(row["heldout_loss"])
                for row in meta["training"]["history"])
