@@ -39,6 +39,7 @@ from statistics import median
 from typing import NamedTuple
 
 from . import comfy_host, proxy, server
+from .metrics import psnr
 from .tables import format_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -324,10 +325,9 @@ def pixels(png: bytes):
 
 def image_psnr(image, reference) -> float:
     """PSNR in dB of two uint8 images, peak 255; inf when identical."""
-    import numpy as np
+    import torch
 
-    mse = float(((image.astype(np.float64) - reference.astype(np.float64)) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * float(np.log10(255 ** 2 / mse))
+    return psnr(torch.from_numpy(image), torch.from_numpy(reference), peak=255)
 
 
 def table(timings: dict, images: dict) -> str:

@@ -9,10 +9,11 @@ def relative_l2(x: torch.Tensor, reference: torch.Tensor) -> float:
     return float((x - reference).norm() / reference.norm())
 
 
-def psnr(x: torch.Tensor, reference: torch.Tensor) -> float:
-    """PSNR in dB with the reference's value range as peak; inf when identical."""
+def psnr(x: torch.Tensor, reference: torch.Tensor, peak: float | None = None) -> float:
+    """PSNR in dB; ``peak``: the largest possible value (255 for 8-bit pictures), by default the
+    reference's value range; inf when identical."""
     mse = float(((reference.double() - x.double()) ** 2).mean())
-    peak = float(reference.max() - reference.min())
+    peak = float(reference.max() - reference.min()) if peak is None else peak
     return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
 
 
