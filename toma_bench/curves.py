@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from . import comfy_host, proxy, sampling
-from .metrics import psnr, relative_l2, ssim
+from .metrics import psnr, relative_l2, speedups, ssim
 from .tables import format_cell, format_table
 from .unet import Variant, builtin_tome
 
@@ -168,11 +168,10 @@ def measure(base, variants: list[Variant], args, pack, progress=print):
     pictures = [proxy.latent_to_images(base, run.latent) for run in first]
     rows = []
     for i, v in enumerate(variants):
-        cpu_ratios = [u.cpu / x.cpu for u, x in zip(runs[0], runs[i])]
-        wall_ratios = [u.wall / x.wall for u, x in zip(runs[0], runs[i])]
+        cpu_speedup, *cpu_spread = speedups([x.cpu for x in runs[0]], [x.cpu for x in runs[i]])
+        wall_speedup, _, _ = speedups([x.wall for x in runs[0]], [x.wall for x in runs[i]])
         rows.append(Row(v, statistics.median(x.cpu for x in runs[i]), statistics.median(x.wall for x in runs[i]),
-                        statistics.median(cpu_ratios), (min(cpu_ratios), max(cpu_ratios)),
-                        statistics.median(wall_ratios), removed[i], psnr(pictures[i], pictures[0]),
+                        cpu_speedup, tuple(cpu_spread), wall_speedup, removed[i], psnr(pictures[i], pictures[0]),
                         ssim(pictures[i], pictures[0]), relative_l2(first[i].latent, first[0].latent)))
     return rows, pictures
 

@@ -42,6 +42,7 @@ import torch
 
 from . import comfy_host, models, sampling
 from .cli import resolve_device
+from .metrics import speedups
 from .tables import format_cell, format_table
 
 SCOPES = ("block", "attention")  # the Advanced node's scope choices that place the merge on a Flux model
@@ -209,14 +210,13 @@ def main(argv=None) -> None:
 
     rows = []
     for variant, (_, summaries), variant_runs in zip(variants, patched, runs):
-        wall_ratios = [u[0] / v[0] for u, v in zip(runs[0], variant_runs)]
-        cpu_ratios = [u[1] / v[1] for u, v in zip(runs[0], variant_runs)]
         row = {"name": variant.label, "wall": statistics.median(w for w, _ in variant_runs),
-               "speedup": statistics.median(wall_ratios), "cpu": None, "cpu_speedup": None, "cpu_spread": None,
+               "speedup": speedups([w for w, _ in runs[0]], [w for w, _ in variant_runs])[0], "cpu": None, "cpu_speedup": None, "cpu_spread": None,
                "tokens": "all", "select": None, "merge": None}
         if not cuda:  # on CUDA the process CPU time is the host's launches and sync waits, not the model
-            row.update(cpu=statistics.median(c for _, c in variant_runs), cpu_speedup=statistics.median(cpu_ratios),
-                       cpu_spread=f"{min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}")
+            cpu_speedup, lowest, highest = speedups([c for _, c in runs[0]], [c for _, c in variant_runs])
+            row.update(cpu=statistics.median(c for _, c in variant_runs), cpu_speedup=cpu_speedup,
+                       cpu_spread=f"{lowest:.2f}-{highest:.2f}")
         if summaries:
             row["tokens"] = merged_tokens(summaries[-1])
             row["select"], row["merge"] = stage_share(summaries, ["select"]), stage_share(summaries, ["merge", "unmerge"])

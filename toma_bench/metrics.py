@@ -1,5 +1,6 @@
 """How far an output is from its reference (the unpatched model's output), for tests and benchmarks."""
 import math
+import statistics
 
 import torch
 
@@ -7,6 +8,13 @@ import torch
 def relative_l2(x: torch.Tensor, reference: torch.Tensor) -> float:
     """||x - reference|| / ||reference||."""
     return float((x - reference).norm() / reference.norm())
+
+
+def speedups(reference_times, times) -> tuple[float, float, float]:
+    """Per repeat, reference time / time of the same repeat (interleaved runs: a slow spell hits both):
+    (median, lowest, highest) of those ratios."""
+    ratios = [r / t for r, t in zip(reference_times, times)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def psnr(x: torch.Tensor, reference: torch.Tensor, peak: float | None = None) -> float:

@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 
 from . import comfy_host, models, sampling
+from .metrics import speedups
 from .tables import format_cell, format_table
 
 SAMPLER, SCHEDULER, CFG, DENOISE = "euler", "normal", 5.0, 0.6
@@ -271,11 +272,10 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
         share = None
         if shares[i][0] is not None:
             share = {k: statistics.median(s[k] for s in shares[i]) for k in shares[i][0]}
-        cpu_ratios = [u / v for u, v in zip(cpu[0], cpu[i])]
+        cpu_speedup, *cpu_spread = speedups(cpu[0], cpu[i])
         rows.append(Row(job.arch, variant, 1000 * statistics.median(wall[i]) / job.steps,
-                        1000 * statistics.median(cpu[i]) / job.steps,
-                        statistics.median(u / v for u, v in zip(wall[0], wall[i])),
-                        statistics.median(cpu_ratios), (min(cpu_ratios), max(cpu_ratios)),
+                        1000 * statistics.median(cpu[i]) / job.steps, speedups(wall[0], wall[i])[0],
+                        cpu_speedup, tuple(cpu_spread),
                         share, removed[i], len(recordings[i]) / job.steps,
                         max(c[0].shape[0] for c in recordings[i])))
     return rows
