@@ -10,6 +10,7 @@ listener made here sends the lines twice, to the client that queued the prompt:
   ``web/js/toma_stats.js`` turns into the same text where the front end shows no progress text (the
   front end of the March-2024 server, which lacks it, and front ends that clear it when the prompt ends).
 """
+import contextlib
 import logging
 import sys
 import time
@@ -34,6 +35,9 @@ class StageClock:
         self.totals = dict.fromkeys(stages, 0.0)
         self.pending = []  # (stage, start event, end event) not read yet
         self.cuda = False
+        # callables (stage, entering) told when a stage begins and ends, kept across resets: the cost
+        # model (toma_bench.costmodel) tags the ops it records with them
+        self.listeners = []
 
     @property
     def kind(self) -> str:
@@ -46,6 +50,19 @@ class StageClock:
     def reset(self) -> None:
         self.totals = dict.fromkeys(self.totals, 0.0)
         self.pending.clear()
+
+    @contextlib.contextmanager
+    def timing(self, stage: str):
+        """Time the block as ``stage``, telling the listeners where it begins and ends."""
+        for listener in self.listeners:
+            listener(stage, True)
+        started = self.start()
+        try:
+            yield
+        finally:
+            self.stop(stage, started)
+            for listener in self.listeners:
+                listener(stage, False)
 
     def start(self):
         if self.cuda:

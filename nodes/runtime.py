@@ -192,16 +192,15 @@ class MergeRuntime:
         plan = cached = self.plans.get(key)
         if cached is None or decision.new_destinations or decision.new_weights:
             self.stage_clock.use(transformer_options["sigmas"].device)
-            start = self.stage_clock.start()
             try:
-                given = None if cached is None or decision.new_destinations else getattr(cached, "destinations", None)
-                feats = features()
-                plan = self.strategy.build(feats, grid, self.generator(feats.device), given)
+                with self.stage_clock.timing("select"):
+                    given = None if cached is None or decision.new_destinations else getattr(cached, "destinations", None)
+                    feats = features()
+                    plan = self.strategy.build(feats, grid, self.generator(feats.device), given)
             except Exception as e:  # never crash mid-sampling: run this block unmerged from now on
                 log.warning("ToMA: merging disabled for %s (%s: %s)", key, type(e).__name__, e)
                 self.failed.add(key)
                 return None
-            self.stage_clock.stop("select", start)
             self.plans[key] = plan
             self.record(level, step, grid, plan)
         stats = self.levels.setdefault(level, LevelStats())
@@ -213,7 +212,10 @@ class MergeRuntime:
     def generator(self, device) -> torch.Generator:
         """The run's generator on ``device``, seeded with the strategy's seed at the run's first build."""
         if device not in self.generators:
-            self.generators[device] = torch.Generator(device=device).manual_seed(self.strategy.seed)
+            # the meta device has no generator: plans built there (the cost model, toma_bench.costmodel,
+            # records real-size models on it) draw their random numbers on the CPU
+            where = "cpu" if device.type == "meta" else device
+            self.generators[device] = torch.Generator(device=where).manual_seed(self.strategy.seed)
         return self.generators[device]
 
     def record(self, level_name, step, hw, plan):
@@ -227,10 +229,8 @@ class MergeRuntime:
             log.exception("ToMA: could not record the plan of %s for the merge map", level_name)
 
     def timed(self, kind, fn, x):
-        start = self.stage_clock.start()
-        out = fn(x)
-        self.stage_clock.stop(kind, start)
-        return out
+        with self.stage_clock.timing(kind):
+            return fn(x)
 
     def summary(self) -> dict:
         wall = None if self.run_started is None else time.perf_counter() - self.run_started

@@ -21,9 +21,11 @@ SD15_SMALL = {
     "use_linear_in_transformer": False, "adm_in_channels": None,
     "use_temporal_resblock": False, "use_temporal_attention": False,
 }
+# ComfyUI's UNet pops transformer_depth_output from the end, lowest resolution first: the 1/8 level's
+# three decoder blocks (no attention) are the last three entries.
 SD15_FULL = dict(SD15_SMALL, num_res_blocks=[2, 2, 2, 2], channel_mult=[1, 2, 4, 4],
                  transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0],
-                 transformer_depth_output=[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+                 transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0])
 
 # SDXL architecture: attention at 1/2 (2 layers per block) and 1/4 (10 layers) of the latent, none at
 # full resolution. SDXL_SMALL keeps the widths and levels with 1 layer per block for CPU runs.

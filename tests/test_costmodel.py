@@ -1,0 +1,148 @@
+"""The cost model (toma_bench.costmodel): op recording on the meta device, pricing, flags and the command line.
+
+Recording runs in a subprocess (tests/costmodel_probe.py, tiny models through the cost model's own code):
+the cost model needs ComfyUI imported with PyTorch attention, which the in-process fixture does not choose.
+Both hosts: the pinned tree (UNets) and COMFYUI_PATH (plus Flux where the tree has it).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toma_bench import comfy_host, costmodel, gpuclock
+from toma_bench.oprecord import ATTENTION, ATTENTION_MASKED, Op
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.comfy
+
+
+@pytest.fixture(scope="module")
+def probe():
+    env = dict(os.environ)
+    env.setdefault("COMFYUI_PATH", str(comfy_host.PINNED_TREE))
+    if not (Path(env["COMFYUI_PATH"]) / "main.py").is_file():
+        pytest.skip(f"no ComfyUI tree at {env['COMFYUI_PATH']} (run tests/setup_host.sh)")
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "costmodel_probe.py")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_comfyui_tome_on_sdxl_adds_no_op(probe):
+    # SDXL has no attention at full resolution, where ComfyUI's ToMe merges: its patches return at once
+    assert probe["sdxl_ops"] > 100
+    assert probe["sdxl_identical"]
+
+
+def test_toma_attention_runs_on_merged_keys(probe):
+    # SD1.5 layout at a 16x16 latent: self-attention over 256 tokens at 1/1; 77 text tokens
+    unpatched, toma = probe["sd15"]["unpatched"], probe["sd15"]["ToMA r=0.5"]
+    assert 256 in unpatched["attention_keys"] and 77 in unpatched["attention_keys"]
+    assert 128 in toma["attention_keys"] and 256 not in toma["attention_keys"]
+    assert toma["merged"] == [["16x16 (1/1)", 256, 128]] or [m[1:] for m in toma["merged"]] == [[256, 128]]
+
+
+def test_stages_are_tagged_through_the_stage_clock(probe):
+    assert probe["sd15"]["ToMA r=0.5"]["stages"] == ["merge", "select", "unmerge"]
+    assert probe["sd15"]["unpatched"]["stages"] == []
+
+
+def test_every_model_call_is_recorded_and_reuse_steps_cost_less(probe):
+    toma = probe["sd15"]["ToMA r=0.5"]
+    assert toma["calls"] == 5  # 5 steps, cond and uncond batched in one call each
+    kernels = toma["kernels_per_call"]
+    # reuse 5: step 0 selects destinations and builds weights, steps 1-4 reuse destinations
+    assert kernels[0] > kernels[1]
+    assert len(set(kernels[1:])) == 1
+    assert toma["syncs_per_call"] == 1.0  # the step's sigma, read once per model call
+
+
+def test_a_variant_that_cannot_merge_is_flagged(probe):
+    # without a fixed count CA-ToMe's data-dependent read fails on meta: every plan falls back to unmerged
+    assert probe["sd15"]["CA-ToMe, no fixed count"]["flag"] == "MERGED NOTHING"
+    fixed = probe["sd15"]["CA-ToMe, count fixed"]
+    assert fixed["flag"] == "" and [m[1:] for m in fixed["merged"]] == [[256, 192]]
+    assert "MERGED NOTHING" in probe["table"]
+
+
+def test_sweep_brackets_the_estimate(probe):
+    for row in probe["sd15"].values():
+        low, high = row["range"]
+        assert low <= high
+
+
+def test_flux_joint_attention_has_merged_image_tokens(probe):
+    if "flux" not in probe:
+        pytest.skip(comfy_host.CURRENT_ONLY)
+    # 16x16 latent -> 8x8 = 64 image tokens + 16 text tokens; r=0.5 keeps 32 image tokens
+    assert 80 in probe["flux"]["unpatched"]["attention_keys"]
+    assert 48 in probe["flux"]["ToMA r=0.5"]["attention_keys"]
+
+
+# -- pricing (no ComfyUI) ---------------------------------------------------------------------------------
+def op(cls="elementwise", flops=0, nbytes=0, kernel=True, sync=False, key_len=0, stage=None):
+    return Op("x", cls, flops, nbytes, kernel, sync, key_len, stage)
+
+
+H200 = gpuclock.PROFILES["h200"]
+
+
+def test_pipelined_overlaps_host_and_gpu_and_additive_does_not():
+    ops = [op("gemm", flops=10**12, nbytes=10**6)] + [op(nbytes=10) for _ in range(10)]
+    piped, added = gpuclock.call_cost(ops, H200, "pipelined"), gpuclock.call_cost(ops, H200, "additive")
+    assert added.seconds == pytest.approx(piped.gpu + piped.host)
+    assert max(piped.gpu, piped.host) <= piped.seconds < added.seconds
+
+
+def test_a_sync_makes_the_host_wait():
+    big = op("gemm", flops=10**13)
+    free = gpuclock.call_cost([big] + [op(nbytes=10)] * 200, H200)
+    synced = gpuclock.call_cost([big, op(kernel=False, sync=True, cls="host")] + [op(nbytes=10)] * 200, H200)
+    # unsynced, the 200 small kernels queue behind the GEMM; after the wait the host issues them one by one
+    waited = 200 * (H200.host_us_per_kernel - H200.kernel_min_us) * 1e-6
+    assert synced.seconds == pytest.approx(free.seconds + waited + H200.host_us_per_kernel * 1e-6, rel=1e-3)
+
+
+def test_masked_attention_is_priced_off_flashattention():
+    plain = H200.gpu_seconds(op(ATTENTION, flops=10**12, nbytes=10**6, key_len=4096))
+    masked = H200.gpu_seconds(op(ATTENTION_MASKED, flops=10**12, nbytes=10**6, key_len=4096))
+    assert masked > 1.5 * plain
+
+
+def test_small_kernels_cost_at_least_the_launch_gap_and_large_ones_their_bytes():
+    assert H200.gpu_seconds(op(nbytes=8)) == pytest.approx(H200.kernel_min_us * 1e-6)
+    assert H200.gpu_seconds(op(nbytes=4 * 10**9)) == pytest.approx(4e9 / (4.8e12 * 0.8))
+
+
+def test_hardware_from_a_json_file_and_clear_errors(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"name": "mine", "peak_tflops": 100.0, "bandwidth_tbs": 1.0}))
+    assert gpuclock.profile(str(path)).peak_tflops == 100.0
+    path.write_text(json.dumps({"name": "mine", "peak_tflops": 100.0, "bandwidth_tbs": 1.0, "speed": 3}))
+    with pytest.raises(ValueError, match="unknown hardware fields"):
+        gpuclock.profile(str(path))
+    with pytest.raises(ValueError, match="--hardware must be one of"):
+        gpuclock.profile("h300")
+
+
+def test_sweep_changes_one_assumption_at_a_time():
+    changed = [name for name, p in gpuclock.swept(H200)]
+    assert len(changed) == 2 * len(gpuclock.SWEEP)
+    assert all(p.gemm_eff <= 0.95 for _, p in gpuclock.swept(H200))
+
+
+def test_command_line_explains_columns_and_refuses_bad_input(capsys):
+    with pytest.raises(SystemExit):
+        costmodel.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    for column in ("ms/step", "speed-up", "range", "GFLOP/step", "sel/mrg/unm %", "kernels/step", "syncs/call",
+                   "merged"):
+        assert column in help_text
+    for bad in (["--models", "sd4"], ["--hardware", "tpu"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            costmodel.parse_args(bad)
+        assert exit_info.value.code == 2
+        assert bad[0] in capsys.readouterr().err

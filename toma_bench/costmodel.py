@@ -1,0 +1,473 @@
+"""Speed where users run it: every aten op of real-size models, patched by the pack's nodes, priced on a GPU.
+
+    python -m toma_bench.costmodel [--models sdxl,flux,...] [--hardware h200|h100|a100|l40s|rtx4090|rtx3090|FILE.json]
+                                   [--steps N] [--how pipelined|additive] [--sweep] [--json FILE]
+
+CPU only, no weights, about a minute per model. For each model (ComfyUI's own classes at real widths,
+depths and sizes, built on the meta device in bf16) and each variant (the pack's nodes with a setting a
+node can express, ToMeSD, CA-ToMe, ComfyUI's ToMe), one sampling run goes through ComfyUI's sampler with
+CFG batched as ComfyUI batches it; every aten op of every model call is recorded (toma_bench.oprecord),
+so steps that select destinations and steps that reuse them are weighed as the node's schedule has them;
+the ops are then priced by a hardware profile (toma_bench.gpuclock). A run of one step first fills the
+pack's per-process host caches (plan geometry), which a real run pays once.
+
+This is a model until a GPU run checks it: the GPU kit (tests/device, toma_bench.gpu) measures the
+same variants and prints predicted against measured.
+"""
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import comfy_host, models
+from .gpuclock import PROFILES, Hardware, call_cost, profile, swept
+from .oprecord import recording, to_meta
+from .tables import format_cell, format_table
+
+SEED = 0
+DTYPE = torch.bfloat16
+
+
+# -- the models ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    """One real-size model as users run it. model_config: the name of ComfyUI's supported_models class
+    (its absence means the tree has no such model); config: its unet_config; latent: the empty latent's
+    shape; conditioning: () -> (positive, negative); cfg above 1 batches cond and uncond."""
+
+    name: str
+    title: str
+    model_config: str
+    config: dict
+    latent: tuple
+    conditioning: Callable
+    steps: int = 15  # a whole period of both reuse 5 and merge_every 3: the same per-step mix as 30 or 45
+    cfg: float = 5.0
+    unet: bool = False
+
+
+SD35_LARGE = {
+    "in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": 38, "input_size": None,
+    "adm_in_channels": 2048, "context_embedder_config": {"target": "torch.nn.Linear",
+                                                         "params": {"in_features": 4096, "out_features": 2432}},
+    "num_patches": 36864, "pos_embed_max_size": 192, "qk_norm": "rms", "pos_embed_scaling_factor": None,
+    "x_block_self_attn_layers": [],
+}
+WAN_14B = dict(models.WAN_1_3B, dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
+
+
+def _sd3_conditioning():
+    g = torch.Generator().manual_seed(SEED)
+    cond = lambda: [[torch.randn(1, 154, 4096, generator=g), {"pooled_output": torch.randn(1, 2048, generator=g)}]]
+    return cond(), cond()
+
+
+SPECS = {s.name: s for s in (
+    Spec("sd15", "SD1.5 512x512, CFG batch 2, 77 text tokens", "SD15", models.SD15_FULL, (1, 4, 64, 64),
+         lambda: models.conditioning("sd15", 1, 77, SEED), cfg=7.0, unet=True),
+    Spec("sdxl", "SDXL 1024x1024, CFG batch 2, 77 text tokens", "SDXL", models.SDXL_FULL, (1, 4, 128, 128),
+         lambda: models.conditioning("sdxl", 1, 77, SEED, 1024, 1024), unet=True),
+    Spec("flux", "FLUX.1-dev 1024x1024 (4096 image + 512 text tokens), CFG 1", "Flux", models.FLUX_FULL,
+         (1, 16, 128, 128), lambda: models.dit_conditioning("flux", models.FLUX_FULL, 1, 512, SEED), cfg=1.0),
+    Spec("sd35", "SD3.5 Large 1024x1024 (4096 image + 154 text tokens), CFG batch 2", "SD3", SD35_LARGE,
+         (1, 16, 128, 128), _sd3_conditioning),
+    Spec("qwen_image", "Qwen-Image 1328x1328 (6889 image + 128 text tokens), CFG batch 2", "QwenImage",
+         models.QWEN_IMAGE_FULL, (1, 16, 1, 166, 166), lambda: models.text_conditioning(3584, 1, 128, SEED),
+         cfg=2.5),
+    Spec("hunyuan_video", "HunyuanVideo 720p x 129 frames (118,800 video + 256 text tokens), CFG 1",
+         "HunyuanVideo", models.HUNYUAN_VIDEO_FULL, (1, 16, 33, 90, 160),
+         lambda: models.video_conditioning("hunyuan_video", models.HUNYUAN_VIDEO_FULL, 1, 256, SEED), cfg=1.0),
+    Spec("wan_480p", "Wan 2.1 14B 832x480 x 81 frames (32,760 video + 512 text tokens), CFG batch 2", "WAN21_T2V",
+         WAN_14B, (1, 16, 21, 60, 104), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
+    Spec("wan_720p", "Wan 2.1 14B 1280x720 x 81 frames (75,600 video + 512 text tokens), CFG batch 2",
+         "WAN21_T2V", WAN_14B, (1, 16, 21, 90, 160), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
+)}
+UNET_MODELS = ("sd15", "sdxl")
+
+
+def build_meta(spec: Spec):
+    """A ModelPatcher around ``spec``'s model with its weights on the meta device (shapes, no data);
+    sampler-side tensors stay on the CPU, so the pack reads its step as it does on a GPU."""
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    model_config = getattr(comfy.supported_models, spec.model_config)(dict(spec.config))
+    model_config.set_inference_dtype(DTYPE, None)
+    base = model_config.get_model({}, device="meta")
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
+
+
+def available(spec: Spec) -> bool:
+    import comfy.supported_models
+
+    return hasattr(comfy.supported_models, spec.model_config)
+
+
+# -- the variants ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    """label; patch: base MODEL -> patched MODEL; meta_scalar: the answer to a data-dependent read on
+    the meta device (CA-ToMe's merge count), fixed and said so in the label."""
+
+    label: str
+    patch: Callable
+    meta_scalar: int | None = None
+
+
+def comfy_tome(model, ratio: float):
+    """ComfyUI's own ToMe node (comfy_extras.nodes_tomesd; V1 ``patch`` or V3 ``execute``)."""
+    from comfy_extras.nodes_tomesd import TomePatchModel
+
+    if hasattr(TomePatchModel, "define_schema"):
+        out = TomePatchModel.execute(model=model, ratio=ratio)
+        return out.args[0] if hasattr(out, "args") else out[0]
+    return TomePatchModel().patch(model, ratio)[0]
+
+
+def variants_for(name: str, pack) -> list[Variant]:
+    """The variants of model ``name``: unpatched, the node's default, the main alternatives a node can
+    express, and the baselines where they apply (UNets)."""
+    tn = pack.nodes.toma_nodes
+    basic, advanced = tn.ToMAPatchModel(), tn.ToMAPatchModelAdvanced()
+    w, reuse = tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE
+    out = [Variant("unpatched", lambda m: m),
+           Variant(f"ToMA default (r={tn.DEFAULT_RATIO:g})", lambda m: basic.patch(m, tn.DEFAULT_RATIO, w, reuse)[0])]
+    if name in UNET_MODELS:
+        for scope, levels, r in (("attention", "auto", 0.75), ("block", "auto", 0.5), ("block", "auto+next", 0.5),
+                                 ("block", "auto+next", 0.75)):
+            out.append(Variant(f"ToMA {scope} {levels} r={r:g}",
+                               lambda m, s=scope, lv=levels, r=r: advanced.patch(m, r, w, reuse, scope=s, levels=lv)[0]))
+        # the baselines on the level ToMA's "auto" merges: 1/1 on SD1.5, 1/2 on SDXL (max_downsample 2)
+        down = 1 if name == "sd15" else 2
+        out.append(Variant(f"ToMeSD r=0.5 (max_downsample {down})",
+                           lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, down)[0]))
+        tokens = 64 * 64  # of the level merged, on both models
+        count = tokens // 2
+        out.append(Variant(f"CA-ToMe t=0.7 (count fixed at {count} of {tokens} tokens)",
+                           lambda m: tn.CAToMePatchModel().patch(m, 0.7, max_downsample=down)[0], meta_scalar=count))
+        for r in (0.5, 0.75):
+            out.append(Variant(f"ComfyUI ToMe r={r:g}", lambda m, r=r: comfy_tome(m, r)))
+        return out
+    for r in (0.25, 0.75):
+        out.append(Variant(f"ToMA r={r:g}", lambda m, r=r: basic.patch(m, r, w, reuse)[0]))
+    if name in ("flux", "hunyuan_video"):
+        out.append(Variant("ToMA scope attention r=0.5", lambda m: advanced.patch(m, 0.5, w, reuse, scope="attention")[0]))
+    out.append(Variant("ToMA r=0.5 merge_every 3", lambda m: advanced.patch(m, 0.5, w, reuse, merge_every=3)[0]))
+    return out
+
+
+# -- recording a sampling run on the meta device --------------------------------------------------------
+def probe_sampler(model, x, sigmas, extra_args=None, callback=None, disable=None):
+    """A sampler that calls the model once at every sigma and keeps ``x``: the outputs live on the meta
+    device, and what the model costs does not depend on their values."""
+    s_in = x.new_ones([x.shape[0]])
+    for i in range(len(sigmas) - 1):
+        model(x, sigmas[i] * s_in, **(extra_args or {}))
+    return x
+
+
+class MetaLoader:
+    """Stands in for ``comfy.model_management.load_models_gpu`` while recording: applies the object
+    patches of the MODEL being sampled without loading weights (there are none), after taking off those
+    of the MODEL sampled before it, as loading another clone does in ComfyUI."""
+
+    def __init__(self):
+        self.current = None
+
+    def __call__(self, patchers, *args, **kwargs):
+        for m in patchers[:1]:
+            if self.current is not None and self.current is not m:
+                self.current.unpatch_model(unpatch_weights=False)
+            if self.current is not m:
+                try:
+                    m.patch_model(load_weights=False)  # current ComfyUI
+                except TypeError:
+                    m.patch_model(device_to=None, patch_weights=False)  # March 2024
+            self.current = m
+
+    def release(self):
+        if self.current is not None:
+            self.current.unpatch_model(unpatch_weights=False)
+            self.current = None
+
+
+@contextlib.contextmanager
+def meta_sampling():
+    """ComfyUI's loader replaced by a MetaLoader, and free memory reported as a large GPU's (128 GiB),
+    so ComfyUI batches cond and uncond as it does on one."""
+    import comfy.model_management as mm
+
+    loader = MetaLoader()
+    saved = mm.load_models_gpu, mm.get_free_memory
+    mm.load_models_gpu = loader
+    mm.get_free_memory = lambda *a, **k: (128 * 2**30, 128 * 2**30) if k.get("torch_free_too") else 128 * 2**30
+    try:
+        yield loader
+    finally:
+        mm.load_models_gpu, mm.get_free_memory = saved
+        loader.release()
+
+
+class FailedPlans(logging.Handler):
+    """Counts the runtime's "merging disabled" warnings (a plan that failed runs its block unmerged)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "merging disabled" in message:
+            self.messages.append(message)
+
+
+@dataclass
+class Recorded:
+    """What one variant's sampling run did: the ops of each model call, the pack's summaries of what
+    merged, and the warnings of plans that failed."""
+
+    label: str
+    calls: list
+    steps: int
+    merged: list  # (level, tokens, merged tokens) of every merged level, over the pack's nodes
+    patched_by_pack: bool
+    failed: list
+
+
+def run_sigmas(model, steps: int) -> torch.Tensor:
+    """The "simple" scheduler's sigmas for ``model`` (calculate_sigmas in current ComfyUI, a
+    model-taking calculate_sigmas_scheduler in March 2024)."""
+    import comfy.samplers
+
+    if hasattr(comfy.samplers, "calculate_sigmas"):
+        return comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", steps)
+    return comfy.samplers.calculate_sigmas_scheduler(model.model, "simple", steps)
+
+
+def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Recorded:
+    import comfy.sample
+    import comfy.samplers
+
+    model = variant.patch(base)
+    runtimes = []
+    try:
+        runtimes = pack.nodes.runtime.runtimes_of(model)
+    except ValueError:
+        pass
+    holder = {}
+
+    def wrapper(apply_model, args):
+        rec = holder.get("rec")
+        # the call's inputs on meta, as they are on the GPU in a real run; the sigmas in
+        # transformer_options stay on the CPU for the pack's read of the step
+        c = {k: v if k == "transformer_options" else tree_map(to_meta, v) for k, v in args["c"].items()}
+        with rec.model_call() if rec is not None else contextlib.nullcontext():
+            return apply_model(to_meta(args["input"]), to_meta(args["timestep"]), **c)
+
+    model = model.clone()
+    model.set_model_unet_function_wrapper(wrapper)
+    positive, negative = spec.conditioning()
+    latent = torch.zeros(spec.latent)
+    sampler = comfy.samplers.KSAMPLER(probe_sampler)
+    failed = FailedPlans()
+    logger = logging.getLogger("ComfyUI-ToMA")
+    logger.addHandler(failed)
+    try:
+        for n, keep in ((1, False), (steps, True)):  # the first run fills the per-process host caches
+            sigmas = run_sigmas(model, n)
+            with recording() as rec:
+                rec.meta_scalar = variant.meta_scalar
+                holder["rec"] = rec
+                for runtime in runtimes:
+                    runtime.stage_clock.listeners[:] = [rec.stage_listener]
+                comfy.sample.sample_custom(model, latent, spec.cfg, sampler, sigmas, positive, negative, latent,
+                                           disable_pbar=True, seed=SEED)
+            holder.clear()
+    finally:
+        logger.removeHandler(failed)
+        for runtime in runtimes:
+            runtime.stage_clock.listeners.clear()
+    merged = []
+    for runtime in runtimes:
+        for level, v in runtime.summary()["levels"].items():
+            merged.append((level, v["tokens"], v["merged_tokens"]))
+    return Recorded(variant.label, rec.calls, steps, merged, bool(runtimes), failed.messages)
+
+
+# -- pricing and tables ------------------------------------------------------------------------------------
+@dataclass
+class Priced:
+    label: str
+    ms_per_step: float
+    speed_up: float | None
+    speed_range: tuple | None
+    gflop_per_step: float
+    flops_saved: float | None
+    stage_percent: dict
+    kernels_per_step: float
+    syncs_per_call: float
+    gpu_ms_per_step: float
+    host_ms_per_step: float
+    class_ms: dict
+    merged: str
+    flag: str
+
+
+def per_step(recorded: Recorded, hw: Hardware, how: str):
+    costs = [call_cost(ops, hw, how) for ops in recorded.calls]
+    n = recorded.steps
+    return costs, sum(c.seconds for c in costs) / n
+
+
+def merged_text(recorded: Recorded) -> tuple[str, str]:
+    """(what merged, a flag when a variant patched by the pack merged nothing or lost plans)."""
+    if not recorded.patched_by_pack:
+        return "-", ""
+    text = "; ".join(f"{level.split(' (')[0]} {tokens}->{merged}" for level, tokens, merged in recorded.merged)
+    flag = ""
+    if not any(merged < tokens for _, tokens, merged in recorded.merged):
+        flag = "MERGED NOTHING"
+    elif recorded.failed:
+        flag = f"{len(recorded.failed)} plans failed"
+    return text or "nothing", flag
+
+
+def price(recorded: list[Recorded], hw: Hardware, how: str, sweep: bool) -> list[Priced]:
+    base = recorded[0]
+    _, base_step = per_step(base, hw, how)
+    base_flops = sum(op.flops for ops in base.calls for op in ops) / base.steps
+    ranges = {}
+    if sweep:
+        profiles = [p for _, p in swept(hw)]
+        hows = [(hw, "additive" if how == "pipelined" else "pipelined")]
+        for r in recorded:
+            ups = []
+            for p, h in [(p, how) for p in profiles] + hows:
+                ups.append(per_step(base, p, h)[1] / per_step(r, p, h)[1])
+            ranges[r.label] = (min(ups), max(ups))
+    rows = []
+    for r in recorded:
+        costs, step = per_step(r, hw, how)
+        ops = [op for call in r.calls for op in call]
+        flops = sum(op.flops for op in ops) / r.steps
+        stages = {k: 100 * sum(c.stages[k] for c in costs) / r.steps / step for k in ("select", "merge", "unmerge")}
+        classes = {}
+        for c in costs:
+            for k, v in c.classes.items():
+                classes[k] = classes.get(k, 0.0) + 1000 * v / r.steps
+        text, flag = merged_text(r)
+        rows.append(Priced(r.label, 1000 * step, base_step / step, ranges.get(r.label), flops / 1e9,
+                           None if r is base else 100 * (1 - flops / base_flops), stages,
+                           sum(op.kernel for op in ops) / r.steps,
+                           sum(op.sync for op in ops) / max(1, len(r.calls)),
+                           1000 * sum(c.gpu for c in costs) / r.steps, 1000 * sum(c.host for c in costs) / r.steps,
+                           classes, text, flag))
+    return rows
+
+
+COLUMNS = """Columns:
+  variant       the node and setting (CA-ToMe's data-dependent merge count is fixed: the meta device has no data)
+  ms/step       modelled milliseconds per sampling step (all model calls of the run / steps: steps that
+                select destinations and steps that reuse them as the node's schedule has them)
+  speed-up      unpatched ms/step / this variant's
+  range         lowest-highest speed-up over --sweep (each assumption varied alone, and the other way of adding up)
+  GFLOP/step    GEMM, convolution and attention FLOPs per step; saved %: against unpatched
+  sel/mrg/unm % shares of the step spent selecting destinations, merging and unmerging (each op's larger of
+                GPU and host time, tagged through the runtime's stage-clock listeners)
+  kernels/step  kernel-launching aten ops per step
+  syncs/call    ops per model call that make the host wait for the GPU (values read back)
+  GPU/host ms   total GPU time and host time per step (pipelined, they overlap)
+  merged        each merged level or block group: tokens -> merged tokens (MERGED NOTHING flags a patched
+                variant whose every plan fell back to running unmerged)"""
+
+
+def table(rows: list[Priced]) -> str:
+    head = ["variant", "ms/step", "speed-up", "range", "GFLOP/step", "saved %", "sel/mrg/unm %", "kernels/step",
+            "syncs/call", "GPU ms", "host ms", "merged"]
+    body = []
+    for r in rows:
+        rng = "-" if r.speed_range is None else f"{r.speed_range[0]:.2f}-{r.speed_range[1]:.2f}x"
+        stages = "/".join(f"{r.stage_percent[k]:.1f}" for k in ("select", "merge", "unmerge"))
+        body.append([r.label, f"{r.ms_per_step:.1f}", f"{r.speed_up:.2f}x", rng, f"{r.gflop_per_step:,.0f}",
+                     format_cell(r.flops_saved, "{:.1f}"), stages, f"{r.kernels_per_step:,.0f}",
+                     f"{r.syncs_per_call:.1f}", f"{r.gpu_ms_per_step:.1f}", f"{r.host_ms_per_step:.1f}",
+                     (r.merged + (f"  [{r.flag}]" if r.flag else ""))])
+    return format_table(head, body)
+
+
+# -- command line ------------------------------------------------------------------------------------------
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m toma_bench.costmodel", description=__doc__.split("\n\n")[0],
+                                 epilog=COLUMNS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(SPECS),
+                    help=f"comma list of {', '.join(SPECS)} (default: all the ComfyUI tree has)")
+    ap.add_argument("--hardware", default="h200",
+                    help=f"a profile ({', '.join(PROFILES)}) or a JSON file of toma_bench.gpuclock.Hardware fields "
+                         "(default h200)")
+    ap.add_argument("--steps", type=int, default=None, help="sampling steps per run (default 15: a whole period of the default reuse 5 and of merge_every 3)")
+    ap.add_argument("--how", choices=("pipelined", "additive"), default="pipelined",
+                    help="how host and GPU time add up (toma_bench.gpuclock; default pipelined)")
+    ap.add_argument("--sweep", action="store_true", help="also vary each assumption and print the speed-up range")
+    ap.add_argument("--json", default=None, help="also write every number to this JSON file")
+    args = ap.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in SPECS]
+    if unknown or not args.models:
+        ap.error(f"--models: unknown {unknown} (known: {', '.join(SPECS)})")
+    try:
+        args.profile = profile(args.hardware)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.steps is not None and not 1 <= args.steps <= 200:
+        ap.error(f"--steps must be in [1, 200], got {args.steps}")
+    return args
+
+
+def record_model(spec: Spec, pack, steps: int, variants=None, progress=print) -> list[Recorded]:
+    base = build_meta(spec)
+    out = []
+    with meta_sampling():
+        for variant in variants or variants_for(spec.name, pack):
+            started = time.perf_counter()
+            out.append(record_variant(base, spec, variant, pack, steps))
+            progress(f"[costmodel] {spec.name}: {variant.label} recorded in {time.perf_counter() - started:.1f} s")
+    return out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    root = comfy_host.import_core("cpu", require_flux=False)
+    pack = comfy_host.load_pack()
+    report = {"hardware": dataclasses.asdict(args.profile), "how": args.how, "comfyui": str(root), "models": {}}
+    print(f"# python -m toma_bench.costmodel {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"# hardware {args.profile.name}: {args.profile.source or 'from ' + args.hardware}; {args.how}; "
+          f"torch {torch.__version__}; ComfyUI at {root}")
+    for name in args.models:
+        spec = SPECS[name]
+        if not available(spec):
+            print(f"\n## {name}: skipped (this ComfyUI tree has no {spec.model_config})")
+            continue
+        steps = args.steps or spec.steps
+        recorded = record_model(spec, pack, steps, progress=lambda line: print(line, file=sys.stderr))
+        rows = price(recorded, args.profile, args.how, args.sweep)
+        print(f"\n## {name}: {spec.title}, {steps} steps\n")
+        print(table(rows))
+        report["models"][name] = {"title": spec.title, "steps": steps,
+                                  "rows": [dataclasses.asdict(r) for r in rows]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
