@@ -141,7 +141,7 @@ def test_command_line_explains_columns_and_refuses_bad_input(capsys):
     for column in ("ms/step", "speed-up", "range", "GFLOP/step", "sel/mrg/unm %", "kernels/step", "syncs/call",
                    "merged"):
         assert column in help_text
-    for bad in (["--models", "sd4"], ["--hardware", "tpu"], ["--steps", "0"]):
+    for bad in (["--models", "sd4"], ["--hardware", "h200,tpu"], ["--steps", "0"]):
         with pytest.raises(SystemExit) as exit_info:
             costmodel.parse_args(bad)
         assert exit_info.value.code == 2

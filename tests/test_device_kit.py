@@ -1,5 +1,6 @@
 """The GPU benchmark kit cannot rot: tests/device/prepare.sh builds .device/, and `bash .device/run.sh
---dry-run` runs python -m toma_bench.gpu on the CPU at tiny sizes in a fresh virtual environment (torch and
+--dry-run` runs python -m toma_bench.gpu (the cost model's predictions first, then the measurements and
+the profiler pass) on the CPU at tiny sizes in a fresh virtual environment (torch and
 the GPU machine's packages from the package cache, everything else only from .device/ with --no-index).
 Where no ComfyUI mirror is at hand (CI) the kit packs the pinned tree, which has no Flux: Flux is then
 skipped with a note. Takes a few minutes (installing torch into the fresh venv is most of it).
@@ -55,5 +56,16 @@ def test_prepared_kit_runs_the_benchmark_dry_on_the_cpu(tmp_path):
     else:
         assert "flux" not in results["models"]
         assert any(n.startswith("flux skipped") for n in results["notes"]), prepared
+    # the cost model's predictions of every variant, written before the first measurement
+    assert set(results["predictions"]["sdxl"]) == {r["variant"] for r in sdxl}
+    assert all(p["ms"] > 0 for p in results["predictions"]["sdxl"].values())
+    assert output.index("[costmodel] sdxl: unpatched recorded") < output.index("[gpu] sdxl: repeat 1/")
+    # the profiler pass (unpatched and the node's default) and the fit on the unpatched run
+    profiled = results["profiles"]["sdxl"]
+    assert set(profiled) == {"unpatched", "ToMA r=0.5 auto attention"}
+    assert all(p["kernels_per_call"] > 0 and p["device_ms_per_step"] for p in profiled.values())
+    fit = results["fits"]["sdxl"]
+    assert set(fit["rows"]) == {r["variant"] for r in sdxl} and fit["parameters"]["host_us_per_kernel"] > 0
     markdown = (tmp_path / "gpu_bench.md").read_text()
+    assert "predicted speed-up" in markdown and "fitted on the unpatched run" in markdown
     assert "## sdxl" in markdown and "ToMA r=0.75 auto+next block" in markdown

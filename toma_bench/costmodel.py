@@ -1,6 +1,6 @@
 """Speed where users run it: every aten op of real-size models, patched by the pack's nodes, priced on a GPU.
 
-    python -m toma_bench.costmodel [--models sdxl,flux,...] [--hardware h200|h100|a100|l40s|rtx4090|rtx3090|FILE.json]
+    python -m toma_bench.costmodel [--models sdxl,flux,...] [--hardware h200,h100,a100,l40s,rtx4090,rtx3090,FILE.json]
                                    [--steps N] [--how pipelined|additive] [--sweep] [--json FILE]
 
 CPU only, no weights, about a minute per model. For each model (ComfyUI's own classes at real widths,
@@ -87,9 +87,9 @@ SPECS = {s.name: s for s in (
     Spec("hunyuan_video", "HunyuanVideo 720p x 129 frames (118,800 video + 256 text tokens), CFG 1",
          "HunyuanVideo", models.HUNYUAN_VIDEO_FULL, (1, 16, 33, 90, 160),
          lambda: models.video_conditioning("hunyuan_video", models.HUNYUAN_VIDEO_FULL, 1, 256, SEED), cfg=1.0),
-    Spec("wan_480p", "Wan 2.1 14B 832x480 x 81 frames (32,760 video + 512 text tokens), CFG batch 2", "WAN21_T2V",
+    Spec("wan_480p", "Wan 2.1 14B 832x480 x 81 frames (32,760 video + 512 text tokens), CFG 5", "WAN21_T2V",
          WAN_14B, (1, 16, 21, 60, 104), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
-    Spec("wan_720p", "Wan 2.1 14B 1280x720 x 81 frames (75,600 video + 512 text tokens), CFG batch 2",
+    Spec("wan_720p", "Wan 2.1 14B 1280x720 x 81 frames (75,600 video + 512 text tokens), CFG 5",
          "WAN21_T2V", WAN_14B, (1, 16, 21, 90, 160), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
 )}
 UNET_MODELS = ("sd15", "sdxl")
@@ -406,6 +406,14 @@ def table(rows: list[Priced]) -> str:
     return format_table(head, body)
 
 
+def profile_table(priced: dict) -> str:
+    """Variants down, profiles across: each variant's speed-up on each profile."""
+    names = list(priced)
+    head = ["variant"] + [f"{n} ({priced[n][0].ms_per_step:,.1f} ms)" for n in names]
+    body = [[row.label] + [f"{priced[n][i].speed_up:.2f}x" for n in names] for i, row in enumerate(priced[names[0]])]
+    return format_table(head, body)
+
+
 # -- command line ------------------------------------------------------------------------------------------
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.costmodel", description=__doc__.split("\n\n")[0],
@@ -413,8 +421,8 @@ def parse_args(argv):
     ap.add_argument("--models", default=",".join(SPECS),
                     help=f"comma list of {', '.join(SPECS)} (default: all the ComfyUI tree has)")
     ap.add_argument("--hardware", default="h200",
-                    help=f"a profile ({', '.join(PROFILES)}) or a JSON file of toma_bench.gpuclock.Hardware fields "
-                         "(default h200)")
+                    help=f"comma list of profiles ({', '.join(PROFILES)}) or JSON files of toma_bench.gpuclock.Hardware "
+                         "fields (default h200); the same recordings are priced on each")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps per run (default 15: a whole period of the default reuse 5 and of merge_every 3)")
     ap.add_argument("--how", choices=("pipelined", "additive"), default="pipelined",
                     help="how host and GPU time add up (toma_bench.gpuclock; default pipelined)")
@@ -426,9 +434,11 @@ def parse_args(argv):
     if unknown or not args.models:
         ap.error(f"--models: unknown {unknown} (known: {', '.join(SPECS)})")
     try:
-        args.profile = profile(args.hardware)
+        args.profiles = [profile(h.strip()) for h in args.hardware.split(",") if h.strip()]
     except ValueError as e:
         ap.error(str(e))
+    if not args.profiles:
+        ap.error("--hardware names no profile")
     if args.steps is not None and not 1 <= args.steps <= 200:
         ap.error(f"--steps must be in [1, 200], got {args.steps}")
     return args
@@ -449,10 +459,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     root = comfy_host.import_core("cpu", require_flux=False)
     pack = comfy_host.load_pack()
-    report = {"hardware": dataclasses.asdict(args.profile), "how": args.how, "comfyui": str(root), "models": {}}
+    report = {"hardware": [dataclasses.asdict(p) for p in args.profiles], "how": args.how, "models": {}}
     print(f"# python -m toma_bench.costmodel {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"# hardware {args.profile.name}: {args.profile.source or 'from ' + args.hardware}; {args.how}; "
-          f"torch {torch.__version__}; ComfyUI at {root}")
+    print(f"# {args.how}; torch {torch.__version__}; ComfyUI tree {root.name}")
+    for hw in args.profiles:
+        print(f"# profile {hw.name}: {hw.source or 'from a file'}")
     for name in args.models:
         spec = SPECS[name]
         if not available(spec):
@@ -460,11 +471,17 @@ def main(argv=None) -> None:
             continue
         steps = args.steps or spec.steps
         recorded = record_model(spec, pack, steps, progress=lambda line: print(line, file=sys.stderr))
-        rows = price(recorded, args.profile, args.how, args.sweep)
-        print(f"\n## {name}: {spec.title}, {steps} steps\n")
-        print(table(rows))
-        report["models"][name] = {"title": spec.title, "steps": steps,
-                                  "rows": [dataclasses.asdict(r) for r in rows]}
+        report["models"][name] = {"title": spec.title, "steps": steps, "profiles": {}}
+        priced = {hw.name: price(recorded, hw, args.how, args.sweep and hw is args.profiles[0]) for hw in args.profiles}
+        first = args.profiles[0].name
+        print(f"\n## {name}: {spec.title}, {steps} steps; {first}\n")
+        print(table(priced[first]))
+        if len(args.profiles) > 1:
+            print(f"\nspeed-up by profile (unpatched ms/step in the head):\n")
+            print(profile_table(priced))
+        for hw_name, rows in priced.items():
+            report["models"][name]["profiles"][hw_name] = [dataclasses.asdict(r) for r in rows]
+        sys.stdout.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -1,7 +1,8 @@
 """GPU benchmark: step time, peak memory, merge overhead and host-device syncs of the pack's methods on
 real-size SDXL and FLUX.1-dev architectures, in one command on an offline CUDA machine.
 
-    python -m toma_bench.gpu [--budget-s 420] [--out DIR] [--repeats 5] [--models sdxl,flux] [--dry-run]
+    python -m toma_bench.gpu [--budget-s 420] [--out DIR] [--repeats 5] [--models sdxl,flux] [--hardware h200]
+                             [--dry-run | --predict-only]
 
 Run it through the kit (see docs/benchmarks.md): ``bash tests/device/prepare.sh`` here, then
 ``bash .device/run.sh`` on the GPU machine. Results go to ``DIR`` (default ``$OUT``, else
@@ -17,6 +18,15 @@ the real sizes, sampled through ComfyUI's own sampler (euler), every variant pat
   tokens, CFG 1: unpatched; ToMA at 0.25/0.5/0.75 on the double and single blocks (the adapter's
   default), and on the single blocks only.
 
+First, before anything is measured, the cost model (toma_bench.costmodel) records every variant on the
+meta device exactly as it will run here and writes its predictions (profile from the GPU's name, else
+h200; ``--hardware`` chooses). ``--predict-only`` stops there (no GPU needed: docs/benchmarks.md keeps
+the kit's predictions, made before any GPU run). After the timed runs, one run of the unpatched model
+and of the node's default under torch.profiler gives kernels per model call, device time per op class
+and host time per aten op; the profile's free parameters (each op class's efficiency, host microseconds
+per op) are fitted on the unpatched run alone, and every merged variant is predicted again with them:
+``error %`` is that out-of-sample prediction against the measured speed-up.
+
 Columns: ``step ms`` is the median over interleaved repeats of a run's model-call time divided by its
 steps (so the steps that select destinations are amortised), timed with CUDA events around every model
 call; ``speed-up`` is unpatched / variant; ``peak GiB`` is torch's peak allocated memory in the run;
@@ -31,6 +41,7 @@ in PyAV and the API nodes): the kit stays small. A ComfyUI tree without Flux (th
 skips Flux with a note.
 """
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -45,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from . import comfy_host, models, sampling
+from . import comfy_host, costmodel, gpuclock, models, sampling
 from .tables import format_cell
 
 DEFAULT_BUDGET_S = 420  # the kit must finish in 8 minutes on an H100/H200, installs and start-up included
@@ -80,6 +91,7 @@ class Variant:
     label: str
     patch: object  # base MODEL -> patched MODEL
     count_syncs: bool = False  # also measured under the SyncCounter
+    profiled: bool = False  # also run once under torch.profiler (the node's default; unpatched always is)
 
 
 def sdxl_variants(pack) -> list[Variant]:
@@ -92,7 +104,8 @@ def sdxl_variants(pack) -> list[Variant]:
                                    lambda m, r=r, levels=levels, scope=scope: tn.ToMAPatchModelAdvanced().patch(
                                        m, r, WINDOW, REUSE, scope=scope, levels=levels)[0],
                                    count_syncs=r == 0.5 and (levels, scope) in {("auto", "attention"),
-                                                                               ("auto+next", "block")}))
+                                                                               ("auto+next", "block")},
+                                   profiled=(r, levels, scope) == (0.5, "auto", "attention")))
     out.append(Variant("ToMeSD r=0.5 (1/2 level)", lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, 2)[0],
                        count_syncs=True))
     return out
@@ -111,7 +124,7 @@ def flux_variants(pack) -> list[Variant]:
     out = [Variant("unpatched", lambda m: m)]
     for r in RATIOS:
         out.append(Variant(f"ToMA r={r:g} double+single", lambda m, r=r: tn.ToMAPatchModel().patch(m, r, WINDOW, REUSE)[0],
-                           count_syncs=r == 0.5))
+                           count_syncs=r == 0.5, profiled=r == 0.5))
     for r in RATIOS:
         out.append(Variant(f"ToMA r={r:g} single only",
                            lambda m, r=r: without_double_blocks(tn.ToMAPatchModel().patch(m, r, WINDOW, REUSE)[0])))
@@ -190,13 +203,17 @@ class Results:
 
     def __init__(self, out: Path, meta: dict):
         self.out, self.meta, self.sections, self.syncs, self.notes = out, meta, {}, [], []
+        # model -> label -> the cost model's {"ms", "speed_up", "classes"}, written before any measurement
+        self.predictions: dict = {}
+        self.profiles: dict = {}  # model -> variant -> profile_pass()
+        self.fits: dict = {}  # model -> {"parameters", "rows": label -> fitted prediction}
         out.mkdir(parents=True, exist_ok=True)
 
     def write(self) -> None:
-        data = {"meta": self.meta, "models": {name: {"setup": s["setup"],
-                                                     "rows": [r.as_dict(s["rows"][0]) for r in s["rows"]]}
-                                              for name, s in self.sections.items()},
-                "syncs": self.syncs, "notes": self.notes}
+        data = {"meta": self.meta, "predictions": self.predictions,
+                "models": {name: {"setup": s["setup"], "rows": [r.as_dict(s["rows"][0]) for r in s["rows"]]}
+                           for name, s in self.sections.items()},
+                "profiles": self.profiles, "fits": self.fits, "syncs": self.syncs, "notes": self.notes}
         (self.out / "gpu_bench.json.tmp").write_text(json.dumps(data, indent=1))
         os.replace(self.out / "gpu_bench.json.tmp", self.out / "gpu_bench.json")
         (self.out / "gpu_bench.md.tmp").write_text(self.markdown(data))
@@ -211,15 +228,38 @@ class Results:
                  f"- budget {meta['budget_s']:.0f} s; {'complete' if meta.get('complete') else 'PARTIAL (stopped by the budget or still running)'}"
                  + (f"; finished in {meta['elapsed_s']:.0f} s" if meta.get("elapsed_s") else ""),
                  ""]
-        for name, section in data["models"].items():
+        for name in dict.fromkeys(list(data["predictions"]) + list(data["models"])):
+            section = data["models"].get(name, {"setup": "not measured yet", "rows": []})
+            predicted = data["predictions"].get(name, {})
+            fitted = data["fits"].get(name, {}).get("rows", {})
+            measured = {r["variant"]: r for r in section["rows"]}
             lines += [f"## {name}", "", section["setup"], "",
-                      "| variant | step ms | speed-up | peak GiB | merge % | merged tokens | runs |",
-                      "|---|---:|---:|---:|---:|---|---:|"]
-            for r in section["rows"]:
-                cells = [r["variant"], format_cell(r["step_ms"], "{:.1f}"), format_cell(r["speed_up"], "{:.2f}x"),
-                         format_cell(r["peak_gib"], "{:.2f}"), format_cell(r["merge_percent"], "{:.1f}"),
-                         r["merged_tokens"], r["runs"]]
+                      f"Predicted: the cost model on the {meta.get('hardware', '?')} profile, written before measuring; "
+                      "fitted: the same with its free parameters fitted on the unpatched run's profiler pass; "
+                      "error: fitted against measured speed-up (out of sample for every merged variant).", "",
+                      "| variant | predicted ms | predicted speed-up | step ms | speed-up | fitted speed-up | error % "
+                      "| peak GiB | merge % | merged tokens | runs |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+            for label in dict.fromkeys(list(predicted) + list(measured)):
+                p, r, f = predicted.get(label, {}), measured.get(label, {}), fitted.get(label, {})
+                error = (100 * (f["speed_up"] / r["speed_up"] - 1)
+                         if f.get("speed_up") and r.get("speed_up") else None)
+                cells = [label, format_cell(p.get("ms"), "{:.1f}"), format_cell(p.get("speed_up"), "{:.2f}x"),
+                         format_cell(r.get("step_ms"), "{:.1f}"), format_cell(r.get("speed_up"), "{:.2f}x"),
+                         format_cell(f.get("speed_up"), "{:.2f}x"), format_cell(error, "{:+.1f}"),
+                         format_cell(r.get("peak_gib"), "{:.2f}"), format_cell(r.get("merge_percent"), "{:.1f}"),
+                         r.get("merged_tokens", "-"), r.get("runs", 0)]
                 lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines.append("")
+            for variant, prof in data["profiles"].get(name, {}).items():
+                classes = ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["device_ms_per_step"].items()))
+                lines.append(f"- profiler, {variant}: {prof['kernels_per_call']:.0f} kernels and "
+                             f"{prof['aten_ops_per_call']:.0f} aten ops per model call; host {prof['host_ms_per_call']:.1f} "
+                             f"ms per call ({prof['host_us_per_op']:.1f} us per op); device ms per step: {classes}")
+            if name in data["fits"]:
+                params = ", ".join(f"{k} x{v:.2f}" if k != "host_us_per_kernel" else f"{k} = {v:.1f}"
+                                   for k, v in data["fits"][name]["parameters"].items())
+                lines.append(f"- fitted on the unpatched run: {params}")
             lines.append("")
         if data["syncs"]:
             lines += ["## Host-device syncs (toma_bench.syncs, one run each)", "",
@@ -235,19 +275,135 @@ class Results:
         return "\n".join(lines)
 
 
+# -- the profiler pass and the fit -------------------------------------------------------------------------
+KERNEL_CLASSES = (("attention", ("flash", "fmha", "attention", "attn")),
+                  ("conv", ("conv", "fprop", "dgrad", "wgrad")),
+                  ("gemm", ("gemm", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                            "aten::linear", "aten::matmul")),
+                  ("copy", ("copy", "cat", "index", "gather", "scatter", "fill", "memcpy", "memset")))
+
+
+def kernel_class(name: str) -> str:
+    """The cost model's op class of a kernel (CUDA) or top-level aten op (CPU dry run), from its name."""
+    lowered = name.lower()
+    for cls, marks in KERNEL_CLASSES:
+        if any(mark in lowered for mark in marks):
+            return cls
+    return "elementwise"
+
+
+def profile_pass(model, scale: Scale, job, cuda: bool) -> dict:
+    """One sampling run under torch.profiler: kernels per model call, device milliseconds per op class
+    and per step, aten ops the host issued per model call and host microseconds per op (the CPU time of
+    the model calls' ranges over their aten ops: an upper bound where a full launch queue made the host
+    wait)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    calls = []
+
+    def wrapper(apply_model, args):
+        with record_function("toma_bench.model_call"):
+            calls.append(1)
+            return apply_model(args["input"], args["timestep"], **args["c"])
+
+    probed = model.clone()
+    probed.set_model_unet_function_wrapper(wrapper)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        sample(probed, scale, job)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    ranges = [e for e in events if e.name == "toma_bench.model_call" and e.device_type.name == "CPU"]
+    inside = lambda e: any(r.time_range.start <= e.time_range.start and e.time_range.end <= r.time_range.end
+                           for r in ranges)
+    top_aten = [e for e in events if e.device_type.name == "CPU" and e.name.startswith("aten::") and inside(e)
+                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    if cuda:
+        kernels = [(e.name, e.device_time_total) for e in events if e.device_type.name == "CUDA"]
+    else:
+        kernels = [(e.name, e.cpu_time_total) for e in top_aten]
+    per_class = {}
+    for name, us in kernels:
+        per_class[kernel_class(name)] = per_class.get(kernel_class(name), 0.0) + us / 1000.0 / scale.steps
+    host_us = sum(r.cpu_time_total for r in ranges)
+    n_calls = max(1, len(calls))
+    return {"model_calls": len(calls), "kernels_per_call": len(kernels) / n_calls,
+            "device_ms_per_step": per_class, "aten_ops_per_call": len(top_aten) / n_calls,
+            "host_ms_per_call": host_us / 1000.0 / n_calls,
+            "host_us_per_op": host_us / max(1, len(top_aten))}
+
+
+def fitted_profile(hw: gpuclock.Hardware, predicted_classes: dict, measured: dict) -> tuple:
+    """``hw`` with its free parameters fitted on the unpatched run's profiler pass: each efficiency
+    scaled by predicted / measured device time of its op class, the host's microseconds per kernel
+    from the measured host time per aten op. Returns (profile, {parameter: factor or value})."""
+    measured_classes = measured["device_ms_per_step"]
+
+    def factor(*classes):
+        p = sum(predicted_classes.get(c, 0.0) for c in classes)
+        m = sum(measured_classes.get(c, 0.0) for c in classes)
+        return p / m if p > 0 and m > 0 else 1.0
+
+    changes = {"gemm_eff": factor("gemm"), "conv_eff": factor("conv"), "attention_eff": factor("attention"),
+               "bandwidth_eff": factor("elementwise", "copy")}
+    fitted = {k: min(0.99, getattr(hw, k) * f) for k, f in changes.items()}
+    fitted["attention_masked_eff"] = min(0.99, hw.attention_masked_eff * changes["attention_eff"])
+    fitted["host_us_per_kernel"] = measured["host_us_per_op"]
+    return dataclasses.replace(hw, name=hw.name + " (fitted)", **fitted), dict(changes, host_us_per_kernel=measured["host_us_per_op"])
+
+
+def priced_rows(recorded, hw) -> dict:
+    """label -> (ms per step, speed-up, device ms per op class per step) of the recordings on ``hw``."""
+    rows = costmodel.price(recorded, hw, "pipelined", sweep=False)
+    return {r.label: {"ms": r.ms_per_step, "speed_up": r.speed_up, "classes": r.class_ms} for r in rows}
+
+
 # -- one model -------------------------------------------------------------------------------------------
+def conditioning(name: str, scale: Scale):
+    if name == "sdxl":
+        return models.conditioning("sdxl", 1, scale.text_tokens, SEED, 8 * scale.latent[0], 8 * scale.latent[1])
+    return models.dit_conditioning("flux", scale.config, 1, scale.text_tokens, SEED)
+
+
+CHANNELS = {"sdxl": 4, "flux": 16}
+MODEL_CONFIGS = {"sdxl": "SDXL", "flux": "Flux"}  # comfy.supported_models
+
+
 def build(name: str, scale: Scale, cuda: bool):
     device = "cuda" if cuda else None
     if name == "sdxl":
         model = models.build_unet("sdxl", SEED, scale.dtype, scale.config, draw_device=device)
-        conditioning = models.conditioning("sdxl", 1, scale.text_tokens, SEED, 8 * scale.latent[0], 8 * scale.latent[1])
-        channels = 4
     else:
         model = models.build_flux(SEED, scale.dtype, scale.config, device=device, draw_device=device)
-        conditioning = models.dit_conditioning("flux", scale.config, 1, scale.text_tokens, SEED)
-        channels = 16
-    latent = torch.zeros(1, channels, *scale.latent)
-    return model, (conditioning, latent, sampling.seeded_noise(latent.shape, SEED))
+    latent = torch.zeros(1, CHANNELS[name], *scale.latent)
+    return model, (conditioning(name, scale), latent, sampling.seeded_noise(latent.shape, SEED))
+
+
+# -- the cost model's predictions, written before anything is measured ------------------------------------
+def hardware_for(device_name: str) -> str:
+    """The cost model's profile for a GPU name (h200 where none matches: the kit's target)."""
+    lowered = device_name.lower().replace(" ", "")
+    for key in ("h200", "h100", "a100", "l40s", "rtx4090", "rtx3090"):
+        if key.removeprefix("rtx") in lowered:
+            return key
+    return "h200"
+
+
+def spec_of(name: str, scale: Scale):
+    """The cost model's Spec of what this benchmark runs for ``name``: the same config, latent, text,
+    steps and CFG (bf16 on meta, whatever dtype the run uses)."""
+    return costmodel.Spec(name, name, MODEL_CONFIGS[name], scale.config, (1, CHANNELS[name], *scale.latent),
+                          lambda: conditioning(name, scale), scale.steps, scale.cfg, unet=name == "sdxl")
+
+
+def predict(name: str, scale: Scale, variants, pack, hw, log) -> list:
+    """The cost model's recordings of ``variants`` of ``name`` as this benchmark runs them, and their
+    prices on ``hw``."""
+    spec = spec_of(name, scale)
+    recorded = costmodel.record_model(spec, pack, scale.steps, [costmodel.Variant(v.label, v.patch) for v in variants],
+                                      progress=log)
+    return recorded
 
 
 def sample(model, scale: Scale, job) -> None:
@@ -264,7 +420,7 @@ def runtime_summary(pack, model) -> dict | None:
 
 
 def measure_model(name, scale, variants, pack, results: Results, cuda: bool, repeats: int, deadline: float,
-                  log) -> bool:
+                  log, recorded=None, hw=None) -> bool:
     """Measure ``variants`` of model ``name`` into ``results``; False if the deadline cut something short."""
     from .syncs import SyncCounter
 
@@ -337,6 +493,21 @@ def measure_model(name, scale, variants, pack, results: Results, cuda: bool, rep
                 "report": counter.report()})
             results.write()
             log(counter.report())
+        profiles = results.profiles.setdefault(name, {})
+        for (v, m), row in zip(patched, rows):
+            if v.label != "unpatched" and not v.profiled:
+                continue
+            if time.perf_counter() + last_round / len(patched) * 3 > deadline:
+                results.notes.append(f"{name}: no profiler pass for {v.label} (budget)")
+                complete = False
+                continue
+            profiles[v.label] = profile_pass(m, scale, job, cuda)
+            results.write()
+        if recorded is not None and "unpatched" in profiles:
+            predicted = results.predictions[name]["unpatched"]["classes"]
+            fitted, parameters = fitted_profile(hw, predicted, profiles["unpatched"])
+            results.fits[name] = {"parameters": parameters, "rows": priced_rows(recorded, fitted)}
+            results.write()
     return complete
 
 
@@ -356,6 +527,10 @@ def parse_args(argv):
                     help="interleaved runs of every variant, at most (default 5; 1 with --dry-run)")
     ap.add_argument("--models", default="sdxl,flux", help="comma list of sdxl, flux (default both)")
     ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU: checks the kit, measures nothing")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="write the cost model's predictions for the variants and stop (no GPU needed)")
+    ap.add_argument("--hardware", default=None,
+                    help="the cost model's profile for the predictions (default: from the GPU's name, else h200)")
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not args.models or not set(args.models) <= {"sdxl", "flux"}:
@@ -363,7 +538,7 @@ def parse_args(argv):
     args.repeats = args.repeats or (1 if args.dry_run else 5)
     if args.budget_s <= 0 or args.repeats < 1:
         ap.error("--budget-s must be > 0 and --repeats >= 1")
-    if not args.dry_run and not torch.cuda.is_available():
+    if not args.dry_run and not args.predict_only and not torch.cuda.is_available():
         ap.error("no CUDA device: this benchmark needs a GPU (--dry-run checks it on the CPU)")
     args.out = Path(args.out or os.environ.get("OUT") or "gpu-results")
     return args
@@ -376,14 +551,17 @@ def log(line: str) -> None:
 def main(argv=None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
-    cuda = not args.dry_run
+    cuda = not args.dry_run and not args.predict_only
     root = comfy_host.import_core("cuda" if cuda else "cpu", require_flux=False)
     pack = comfy_host.load_pack()
     meta = {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "machine": (f"{torch.cuda.get_device_name()}, {platform.node()}" if cuda
+                        else "predictions only (no GPU)" if args.predict_only
                         else f"CPU dry run (tiny models), {platform.node()}"),
             "torch": torch.__version__, "python": platform.python_version(), "comfyui": comfy_description(root),
             "budget_s": args.budget_s, "dry_run": args.dry_run, "complete": False}
+    hw = gpuclock.profile(args.hardware or hardware_for(torch.cuda.get_device_name() if cuda else "h200"))
+    meta["hardware"] = hw.name
     results = Results(args.out, meta)
     results.write()
     deadline = started + args.budget_s
@@ -393,12 +571,22 @@ def main(argv=None) -> None:
         todo.remove("flux")
         results.notes.append(f"flux skipped: this ComfyUI tree ({root}) has no Flux (the pinned March 2024 tree); "
                              "prepare.sh packs the current one when its mirror is at hand")
+    variants = {name: sdxl_variants(pack) if name == "sdxl" else flux_variants(pack) for name in todo}
+    recordings = {}
+    for name in todo:  # every prediction is written before anything is measured
+        recordings[name] = predict(name, sizes[name], variants[name], pack, hw, log)
+        results.predictions[name] = priced_rows(recordings[name], hw)
+        results.write()
+    if args.predict_only:
+        meta["complete"] = True
+        results.write()
+        log((results.out / "gpu_bench.md").read_text())
+        return
     for i, name in enumerate(todo):
         # each model gets an equal share of what is left, so a slow first model cannot starve the second
         share = (deadline - time.perf_counter()) / (len(todo) - i)
-        variants = sdxl_variants(pack) if name == "sdxl" else flux_variants(pack)
-        complete &= measure_model(name, sizes[name], variants, pack, results, cuda, args.repeats,
-                                  time.perf_counter() + share, log)
+        complete &= measure_model(name, sizes[name], variants[name], pack, results, cuda, args.repeats,
+                                  time.perf_counter() + share, log, recordings[name], hw)
         import comfy.model_management
 
         comfy.model_management.unload_all_models()
