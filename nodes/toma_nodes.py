@@ -8,7 +8,8 @@ supported families.
 import logging
 
 from ..toma_core import CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, ReuseSchedule, ToMA, ToMeSD
-from .adapters import adapter_for, dit, supported_families, unet
+from . import placement
+from .adapters import adapter_for, supported_families, unet
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
 
@@ -150,15 +151,17 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
             "required": {
                 "model": MODEL_INPUT, "ratio": RATIO_INPUT, "window_size": WINDOW_INPUT,
                 "reuse_interval": REUSE_INPUT,
-                "scope": (list(dit.SCOPES), {
+                "scope": (list(placement.SCOPES), {
                     "default": "auto",
                     "tooltip": "attention: only self-attention runs on merged tokens. block: self-attention, "
-                               "cross-attention and feed-forward all run merged (faster, more change). On "
-                               "Flux, Chroma and HunyuanVideo double blocks, attention merges only the joint "
-                               "attention (the paper's placement) and block the whole block; their single "
-                               "blocks, and all blocks of SD3, Qwen-Image, Wan and LTX-Video, always run "
-                               "whole on merged image tokens. auto: attention on UNets, "
-                               f"{dit.DIT_DEFAULT_SCOPE} on DiTs."}),
+                               "cross-attention and feed-forward all run merged (faster, more change). "
+                               "keys/values (UNets): queries stay whole, keys and values come from merged "
+                               "tokens, nothing to unmerge. queries (UNets): queries merged, keys and values "
+                               "whole. On Flux, Chroma and HunyuanVideo double blocks, attention merges only "
+                               "the joint attention (the paper's placement) and block the whole block; their "
+                               "single blocks, and all blocks of SD3, Qwen-Image, Wan and LTX-Video, always "
+                               f"run whole on merged image tokens. auto: {placement.UNET_AUTO} on UNets, "
+                               f"{placement.DIT_AUTO} on DiTs."}),
                 "levels": (list(unet.LEVEL_CHOICES), {
                     "default": "auto",
                     "tooltip": "UNet resolutions to merge, as downsample factors. auto: the highest-resolution "
@@ -183,19 +186,28 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                 "merge_every": _int(1, 1, 100, "Merge only on every k-th step (steps 0, k, 2k, ...); the other "
                                     "steps run the unpatched model. 1 = every step; the official Flux run "
                                     "uses 3."),
+                "plan_per_block": ("BOOLEAN", {"default": False, "tooltip": "Each block picks destinations and "
+                                   "weights from its own input (reused across steps per block); off = one plan "
+                                   "per level or block group, built from its first block."}),
+                "proportional_attention": ("BOOLEAN", {"default": False, "tooltip": "UNets, scopes attention "
+                                           "and keys/values: a merged key weighs in the softmax as the tokens "
+                                           "it stands for (ToMe's proportional attention; fused attention "
+                                           "kernels still apply)."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def patch(self, model, ratio, window_size, reuse_interval, scope="auto", levels="auto",
               weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
-              temporal_window=DEFAULT_TEMPORAL_WINDOW, merge_every=1, unique_id=None):
+              temporal_window=DEFAULT_TEMPORAL_WINDOW, merge_every=1, plan_per_block=False,
+              proportional_attention=False, unique_id=None):
         check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,
                      scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
                      end_percent=end_percent, tau=tau, temporal_window=temporal_window, merge_every=merge_every)
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every))
         strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge,
-                                                tile_frames=int(temporal_window))
+                                                tile_frames=int(temporal_window), shares_plans=not plan_per_block,
+                                                proportional=bool(proportional_attention))
         return (apply_strategy(model, strategy, levels, scope, unique_id),)
 
 

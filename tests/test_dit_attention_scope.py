@@ -61,8 +61,8 @@ def test_half_ratio_stays_close_and_differs_from_block_scope(pack, flux):
 
 
 def test_auto_scope_is_the_dit_default(pack, flux):
-    """The basic node and scope "auto" place the merge as DIT_DEFAULT_SCOPE says."""
-    default = pack.nodes.adapters.dit.DIT_DEFAULT_SCOPE
+    """The basic node and scope "auto" place the merge as placement.DIT_AUTO says."""
+    default = pack.nodes.placement.DIT_AUTO
     expected = sample(toma_patched(pack, flux, scope=default)[0])
     assert torch.equal(sample(toma_patched(pack, flux, scope="auto")[0]), expected)
     assert torch.equal(sample(toma_patched(pack, flux)[0]), expected)

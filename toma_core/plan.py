@@ -80,6 +80,8 @@ class MergePlan(TokenPlan):
     merge_weights: (B, T, D, S) M, in the dtype of the activations it is applied to.
     unmerge_weights: (B, T, S, D) U.
     live: (N',) long, which of the T*D slots hold a real merged token; None when all do.
+    mass: (B, T, D) fp32, how many tokens each destination stands for (the row sums of the soft
+          assignment A); None for plans built without it.
     """
 
     grid: TileGrid
@@ -87,6 +89,7 @@ class MergePlan(TokenPlan):
     merge_weights: torch.Tensor
     unmerge_weights: torch.Tensor
     live: torch.Tensor | None
+    mass: torch.Tensor | None = None
 
     @property
     def num_merged(self) -> int:
@@ -107,6 +110,12 @@ class MergePlan(TokenPlan):
         if self.live is not None:
             y = y.new_zeros(B, T * D, y.shape[-1]).index_copy_(1, self.live, y)
         return untile_tokens(self.unmerge_weights @ y.view(B, T, D, -1), self.grid)
+
+    def log_mass(self) -> torch.Tensor:
+        """(B, N') fp32: log of how many tokens each merged token stands for (proportional attention)."""
+        B, T, D = self.mass.shape
+        logs = self.mass.clamp_min(1e-6).log().view(B, T * D)
+        return logs if self.live is None else logs.index_select(1, self.live)
 
     def destination_tokens(self) -> torch.Tensor:
         """(B, N') long raster index (in the frames x h x w grid) of each merged token's destination,
@@ -133,6 +142,9 @@ class IdentityPlan(TokenPlan):
 
     def destination_tokens(self) -> torch.Tensor:
         return torch.arange(self.num_merged, device=self.device).expand(self.batch_size, -1)
+
+    def log_mass(self) -> torch.Tensor:
+        return torch.zeros(self.batch_size, self.num_merged, device=self.device)
 
 
 def plan_tiles(
@@ -180,4 +192,4 @@ def plan_tiles(
     A = logits.softmax(dim=-2) * valid[None, :, None, :]
     M = A / A.sum(-1, keepdim=True).clamp_min(1e-12)
     U = torch.linalg.pinv(M) if exact else A.transpose(-1, -2)
-    return MergePlan(grid, destinations, M.to(x.dtype), U.to(x.dtype), geometry.live)
+    return MergePlan(grid, destinations, M.to(x.dtype), U.to(x.dtype), geometry.live, A.sum(-1))

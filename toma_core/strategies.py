@@ -19,9 +19,10 @@ from .schedule import EveryCall, ReuseSchedule
 
 @dataclass(frozen=True)
 class ToMA:
-    """ToMA: destinations by facility location in local windows, soft merge weights, both reused across
-    the blocks of a group and across steps as ``schedule`` says. A window is ``window_size`` tokens
-    square and, on a video grid, ``tile_frames`` frames deep (1: each frame apart, as on images)."""
+    """ToMA: destinations by facility location in local windows, soft merge weights, reused across steps
+    as ``schedule`` says and, where ``shares_plans``, across the blocks of a group (else each block builds
+    its own from its own input). A window is ``window_size`` tokens square and, on a video grid,
+    ``tile_frames`` frames deep (1: each frame apart, as on images)."""
 
     ratio: float
     window_size: int
@@ -30,8 +31,9 @@ class ToMA:
     exact: bool = False
     seed: int = 0
     tile_frames: int = 1
+    shares_plans: bool = True
+    proportional: bool = False  # merged keys weigh as the tokens they stand for (toma_core.attention)
     name = "ToMA"
-    shares_plans = True
     patches_dits = True
 
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None):

@@ -13,7 +13,7 @@ What runs merged:
     RoPE; it merges their image rows, runs the attention and copies each merged token's output back
     to its sources (U). Projections, modulation and the image MLP run at full resolution. A host
     without attention overrides gets "block", with a log message.
-  "auto" is ``DIT_DEFAULT_SCOPE``. Other families' blocks and all single blocks merge whole blocks.
+  "auto" is ``placement.DIT_AUTO``. Other families' blocks and all single blocks merge whole blocks.
 - Single-stream blocks: the block input is [txt, image, extra]; only the image part is merged, and the
   whole block (attention and the parallel MLP) runs on the shorter sequence, as the official code does.
 - Text tokens are never merged, whatever their length (read from the tensors of each call). ``extra``
@@ -52,16 +52,13 @@ import torch
 import torch.nn.functional as F
 
 from ..host import WRAPPER_KEY, install_run_hooks
+from .. import placement
 from ..runtime import MergeRuntime
 
 log = logging.getLogger("ComfyUI-ToMA")
 
 LAYOUT_KEY = "comfyui_toma_image_layout"  # transformer_options key, set and removed by the wrapper
 ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
-SCOPES = ("auto", "attention", "block")
-# What scope "auto" means on DiTs. docs/benchmarks.md: at the speed a real-width Flux gets, whole blocks keep
-# the trained proxy's pictures closer than the attention-only placement.
-DIT_DEFAULT_SCOPE = "block"
 # Fraction of each block group never merged: the paper's 5 of Flux's 19 double and 38 single blocks.
 SKIP_FRACTION = {"double": 5 / 19, "single": 5 / 38}
 
@@ -244,11 +241,9 @@ def attention_override_supported() -> bool:
 
 def attention_only(scope: str, family: str) -> bool:
     """Whether the double blocks of ``family`` run only their attention on merged tokens for ``scope`` (a
-    SCOPES value; "auto" means DIT_DEFAULT_SCOPE); "attention" on a host without attention overrides
-    falls back to whole blocks, with a log message."""
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
-    if (DIT_DEFAULT_SCOPE if scope == "auto" else scope) != "attention":
+    placement.SCOPES value; "auto" means placement.DIT_AUTO); "attention" on a host without attention
+    overrides falls back to whole blocks, with a log message."""
+    if placement.resolve(scope, family, (placement.ATTENTION, placement.BLOCK), placement.DIT_AUTO) != placement.ATTENTION:
         return False
     if not attention_override_supported():
         log.warning("ToMA: this ComfyUI has no attention override (comfy.ldm.modules.attention.wrap_attn); "

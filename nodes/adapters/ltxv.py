@@ -24,6 +24,7 @@ Token grid: the DIFFUSION_MODEL executor runs around ``_forward``, which sees th
 """
 import torch
 
+from .. import placement
 from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, layout_wrapper,
                   patch_blocks, patched_side, sequence_index, take_rows, take_sequence)
 
@@ -93,6 +94,7 @@ class LTXVPatch(DiTPatch):
 
 def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
+    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
     dm = model.model.diffusion_model
     groups = [BlockGroup("double_block", "video", len(dm.transformer_blocks), LTXVPatch(runtime).block,
                          SKIP_FRACTION["single"])]

@@ -25,6 +25,7 @@ measured 1.73% and 1.72%, against 1.75% with the references whole. Merging only 
 0.19% at the same token counts) did better still, but ToMA has one ratio. These are random weights: a
 trained edit model that copies detail from its reference may depend more on the reference tokens.
 """
+from .. import placement
 from .dit import SKIP_FRACTION, BlockGroup, DiTPatch, layout_wrapper, patch_blocks
 
 FAMILY = "Qwen-Image"
@@ -42,6 +43,7 @@ def supports(model) -> bool:
 
 def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
+    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
     dm = model.model.diffusion_model
     groups = [BlockGroup("double_block", "double", len(dm.transformer_blocks),
                          DiTPatch(runtime, PE_TOKEN_AXIS, merge_references=True).double_block, SKIP_FRACTION["double"])]

@@ -5,6 +5,7 @@ once at the input, so nothing positional reaches the blocks.
 Token grid: SD3 has no DIFFUSION_MODEL executor, so an APPLY_MODEL wrapper (around
 ``BaseModel._apply_model``, same latent size) reads the latent.
 """
+from .. import placement
 from .dit import SKIP_FRACTION, BlockGroup, DiTPatch, layout_wrapper, patch_blocks
 
 FAMILY = "SD3/SD3.5"
@@ -21,6 +22,7 @@ def supports(model) -> bool:
 
 def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
+    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
     dm = model.model.diffusion_model
     groups = [BlockGroup("double_block", "double", len(dm.joint_blocks), DiTPatch(runtime).double_block,
                          SKIP_FRACTION["double"])]

@@ -1,18 +1,25 @@
 """Adapter for UNet models (SD1.x, SD2.x, SDXL and relatives): patches through ComfyUI's ModelPatcher.
 
-scope "attention": each block's self-attention module has its ``forward`` object-patched: it merges its
-input (q, k and v come from the merged tokens) and unmerges after the output projection (rows of U sum
-to 1, so unmerging commutes with that linear layer and we do the cheap side). An ``attn1_patch`` put
-first in the list tells it which block call it serves (see ``UNetPatch``).
+scope "attention", "keys/values", "queries" (nodes.placement): each block's self-attention module has
+its ``forward`` object-patched. "attention" merges its input (q, k and v come from the merged tokens)
+and unmerges after the output projection (rows of U sum to 1, so unmerging commutes with that linear
+layer and we do the cheap side); "keys/values" takes keys and values from the merged tokens and
+queries from all (nothing to unmerge); "queries" the other way round (the output is unmerged). With
+``proportional``, merged keys weigh as the tokens they stand for (toma_core.attention), through the
+module's own projections and ComfyUI's attention function. An ``attn1_patch`` put first in the list
+tells the patched forward which block call it serves (see ``UNetPatch``).
 scope "block": each BasicTransformerBlock's ``forward`` is object-patched: self-attention,
 cross-attention and feed-forward all run on merged tokens, and the block's update is unmerged onto the
 full-resolution residual stream.
 Object patches of a module's ``forward`` leave the module itself untouched, so LoRA keys stay valid.
 """
+import inspect
 import logging
 import math
 import types
 
+from .. import placement
+from ...toma_core.attention import with_key_bias, without_padding
 from ..host import install_run_hooks, original_attr
 from ..runtime import MergeRuntime
 
@@ -117,9 +124,12 @@ class UNetPatch:
     node nearer the sampler) no longer have the shape ``observe`` saw, and ToMA leaves them alone.
     """
 
-    def __init__(self, runtime: MergeRuntime, levels: frozenset[int]):
+    def __init__(self, runtime: MergeRuntime, levels: frozenset[int], scope: str = placement.ATTENTION,
+                 proportional: bool = False):
         self.runtime = runtime
         self.levels = levels
+        self.scope = scope
+        self.proportional = proportional and scope in placement.KEYS_MERGED
         self.current = None  # (options, token shape) noted by observe, taken by the attn1.forward patch
 
     def __deepcopy__(self, memo):
@@ -161,13 +171,25 @@ class UNetPatch:
 
         def forward(attention, x, context=None, value=None, mask=None, **kwargs):
             call, patch.current = patch.current, None
-            plan = None if call is None or mask is not None else patch.plan_for(x, lambda: x, *call)
+            self_attention = (context is None or context is x) and (value is None or value is x)
+            # attending to a context instead (disable_self_attn), only the queries can merge
+            mergeable = self_attention or patch.scope != placement.KEYS_VALUES
+            plan = (None if call is None or mask is not None or not mergeable
+                    else patch.plan_for(x, lambda: x, *call))
             if plan is None:
                 return original(x, context=context, value=value, mask=mask, **kwargs)
             merged = patch.runtime.timed("merge", plan.merge, x)
-            if (context is None or context is x) and (value is None or value is x):  # self-attention
-                context, value = context if context is None else merged, value if value is None else merged
-            out = original(merged, context=context, value=value, mask=mask, **kwargs)
+            if not self_attention:
+                out = original(merged, context=context, value=value, **kwargs)
+                return patch.runtime.timed("unmerge", plan.unmerge, out)
+            queries, keys = {placement.ATTENTION: (merged, merged), placement.KEYS_VALUES: (x, merged),
+                             placement.QUERIES: (merged, x)}[patch.scope]
+            if patch.proportional:
+                out = proportional_attention(attention, queries, keys, plan.log_mass(), kwargs)
+            else:
+                out = original(queries, context=keys, value=keys, **kwargs)
+            if queries is x:
+                return out
             return patch.runtime.timed("unmerge", plan.unmerge, out)
 
         return forward
@@ -203,6 +225,25 @@ class UNetPatch:
         return True
 
 
+def proportional_attention(attention, queries, keys, log_mass, kwargs):
+    """What ComfyUI's CrossAttention ``attention`` computes for ``queries`` over ``keys`` (and values
+    from them), with each key's logits raised by its ``log_mass`` (B, N'): its own projections, the bias
+    in an extra head channel (toma_core.attention), ComfyUI's attention function (so fused kernels, and
+    attention overrides in ``transformer_options``, still apply)."""
+    from comfy.ldm.modules import attention as comfy_attention
+
+    q, k, v = attention.to_q(queries), attention.to_k(keys), attention.to_v(keys)
+    heads, d = attention.heads, q.shape[-1] // attention.heads
+    q, k, v = with_key_bias(q, k, v, log_mass, heads)
+    accepted = inspect.signature(comfy_attention.optimized_attention).parameters
+    extra = {"attn_precision": getattr(attention, "attn_precision", None),
+             "transformer_options": kwargs.get("transformer_options", {})}
+    extra = {k: v for k, v in extra.items() if k in accepted or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())}
+    out = comfy_attention.optimized_attention(q, k, v, heads, **extra)
+    return attention.to_out(without_padding(out, heads, d))
+
+
 FAMILY = "SD1.x/SD2.x/SDXL UNet"
 
 
@@ -213,31 +254,31 @@ def supports(model) -> bool:
 
 def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
     """The patched clone of ``model`` (a ComfyUI ModelPatcher). levels: a LEVEL_CHOICES string or a set
-    of downsample factors; scope: "attention" or "block", "auto" = "attention" (anything else is a
-    ValueError naming it)."""
-    scope = "attention" if scope == "auto" else scope
+    of downsample factors; scope: a placement.SCOPES value, "auto" = "attention" (anything else is a
+    ValueError naming it). Where keys merge, a strategy whose ``proportional`` is set weighs each merged
+    key as the tokens it stands for."""
+    scope = placement.resolve(scope, FAMILY, placement.UNET_PLACEMENTS, placement.UNET_AUTO)
     dm = model.model.diffusion_model
     available = attention_levels(dm)
     levels = resolve_levels(levels, available)
     if not levels & set(available):  # e.g. ToMeSD's max_downsample 1 on SDXL: a silent no-op otherwise
         log.warning("ToMA: %s merges nothing: this UNet has attention only at downsample %s, none of %s",
                     runtime.name, ", ".join(map(str, available)), ", ".join(map(str, sorted(levels))))
-    patch = UNetPatch(runtime, levels)
+    patch = UNetPatch(runtime, levels, scope, getattr(runtime.strategy, "proportional", False))
     m = model.clone()
-    if scope == "attention":
+    if scope != placement.BLOCK:
         patches = m.model_options.setdefault("transformer_options", {}).setdefault("patches", {})
         patches["attn1_patch"] = [patch.observe] + patches.get("attn1_patch", [])  # first: sees the block's tokens
         for path, block in transformer_blocks(dm):
             key = f"{path}.attn1.forward"
             forward = patch.attention_forward(original_attr(m, key))
             m.add_object_patch(key, types.MethodType(forward, block.attn1))
-    elif scope == "block":
+    else:
         for path, block in transformer_blocks(dm):
             key = f"{path}.forward"
             m.add_object_patch(key, types.MethodType(patch.block_forward(original_attr(m, key)), block))
-    else:
-        raise ValueError(f"scope must be 'attention' or 'block', got {scope!r}")
     install_run_hooks(m, runtime)
-    log.info("ToMA: %s patched on UNet levels %s (scope %s)", runtime.name,
-             ", ".join(f"1/{d}" for d in sorted(levels)) or "none", scope)
+    log.info("ToMA: %s patched on UNet levels %s (scope %s%s)", runtime.name,
+             ", ".join(f"1/{d}" for d in sorted(levels)) or "none", scope,
+             ", proportional attention" if patch.proportional else "")
     return m

@@ -41,6 +41,7 @@ import logging
 
 import torch
 
+from .. import placement
 from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, layout_wrapper,
                   patch_blocks, patched_side, sequence_index, take_rows)
 
@@ -156,6 +157,7 @@ class WanPatch(DiTPatch):
 def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: Wan has one token grid); ``model``
     itself, unpatched with a message, for the variants in REFUSED or unknown subclasses."""
+    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
     dm = model.model.diffusion_model
     name = type(dm).__name__
     if type(dm) not in served_classes():

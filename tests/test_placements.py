@@ -1,0 +1,111 @@
+"""Placements (nodes/placement.py: the Advanced node's scope), per-block plans and proportional attention,
+sampled with ComfyUI's own sampler on the SD1.5-width random-weight UNet (toma_bench.models.SD15_SMALL),
+in the pinned tree and in current ComfyUI (COMFYUI_PATH); the DiT fallback in current ComfyUI only."""
+import logging
+
+import pytest
+import torch
+
+from toma_bench import comfy_host, models, sampling
+from toma_bench.metrics import relative_l2
+
+pytestmark = pytest.mark.comfy
+SHAPE = (1, 32, 32)
+UNET_SCOPES = ("attention", "keys/values", "queries", "block")
+SETTINGS = [(scope, proportional) for scope in UNET_SCOPES for proportional in (False, True)
+            if not proportional or scope in ("attention", "keys/values")]
+IDS = [f"{s}{'-proportional' if p else ''}" for s, p in SETTINGS]
+
+
+def sample(model, steps=2, cfg=5.0):
+    latent = torch.zeros(SHAPE[0], 4, *SHAPE[1:])
+    return sampling.sample(model, models.conditioning("sd15", 1, height=256, width=256), latent, steps=steps, cfg=cfg)
+
+
+def advanced(pack, model, scope, proportional=False, ratio=0.5, window_size=4, **inputs):
+    node = pack.NODE_CLASS_MAPPINGS["ToMAPatchModelAdvanced"]()
+    return node.patch(model, ratio, window_size, 5, scope=scope, proportional_attention=proportional, **inputs)[0]
+
+
+@pytest.fixture(scope="module")
+def sd15(pack):
+    model = models.build_unet("sd15", seed=0)
+    return model, sample(model)
+
+
+@pytest.mark.parametrize("scope, proportional", SETTINGS, ids=IDS)
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, sd15, scope, proportional):
+    """Window 2 at ratio 0.1 keeps every token a destination: merging only permutes the tokens, every
+    merged key stands for one token (log mass 0), so every placement gives the unpatched output."""
+    model, reference = sd15
+    patched = advanced(pack, model, scope, proportional, ratio=0.1, window_size=2)
+    assert relative_l2(sample(patched), reference) < 1e-5
+    assert pack.nodes.runtime.runtime_of(patched).summary()["levels"]  # it did merge (a permutation)
+
+
+@pytest.mark.parametrize("scope, proportional", SETTINGS, ids=IDS)
+def test_half_ratio_merges_the_full_resolution_level(pack, sd15, scope, proportional):
+    model, reference = sd15
+    patched = advanced(pack, model, scope, proportional)
+    out = sample(patched)
+    levels = pack.nodes.runtime.runtime_of(patched).summary()["levels"]
+    assert [(v["downsample"], v["tokens"], v["merged_tokens"]) for v in levels.values()] == [(1, 1024, 512)]
+    assert 0 < relative_l2(out, reference) < 0.25
+
+
+@pytest.mark.parametrize("scope", ["attention", "keys/values"])
+def test_proportional_attention_changes_what_merged_keys_weigh(pack, sd15, scope):
+    model, _ = sd15
+    plain, weighed = (sample(advanced(pack, model, scope, p)) for p in (False, True))
+    assert relative_l2(weighed, plain) > 1e-4
+
+
+def test_keys_values_attend_with_full_queries_over_merged_keys(pack, sd15, monkeypatch):
+    """The self-attention at 1/1 runs 1024 queries over 512 keys; "queries" the other way round."""
+    import comfy.ldm.modules.attention as attention
+
+    model, _ = sd15
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape[-2], k.shape[-2]))
+        return original(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "optimized_attention", attention.attention_pytorch)
+    for scope, expected in (("keys/values", (1024, 512)), ("queries", (512, 1024)), ("attention", (512, 512))):
+        seen.clear()
+        sample(advanced(pack, model, scope), steps=1, cfg=1.0)
+        assert expected in seen and (1024, 1024) not in seen, (scope, seen)
+
+
+def test_plans_per_block_are_built_by_each_block(pack, sd15):
+    model, _ = sd15
+    shared, own = (advanced(pack, model, "attention", plan_per_block=p) for p in (False, True))
+    counts = []
+    for patched in (shared, own):
+        sample(patched, steps=1, cfg=1.0)
+        counts.append(len(pack.nodes.runtime.runtime_of(patched).plans))
+    blocks_at_full_resolution = 3  # SD15_SMALL: 1 input, 2 output blocks hold attention at 1/1
+    assert counts == [1, blocks_at_full_resolution]
+
+
+def test_scope_outside_the_choices_is_refused_naming_it(pack, sd15):
+    with pytest.raises(ValueError, match="scope must be one of"):
+        advanced(pack, sd15[0], "values")
+
+
+@pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
+@pytest.mark.parametrize("scope", ["keys/values", "queries"])
+def test_a_dit_falls_back_to_its_default_placement_and_says_so(pack, scope, caplog):
+    model = models.build_flux(seed=0)
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        patched = advanced(pack, model, scope)
+    assert any(f"cannot merge with scope {scope}" in r.getMessage() and "it uses block" in r.getMessage()
+               for r in caplog.records)
+    default = pack.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, 0.5, 4, 5)[0]
+    conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 16, 0)
+    latent = torch.zeros(1, 16, 16, 16)
+    assert torch.equal(sampling.sample(patched, conditioning, latent, steps=1),
+                       sampling.sample(default, conditioning, latent, steps=1))

@@ -1,0 +1,43 @@
+"""Proportional attention over merged keys, in a form every fused attention kernel runs.
+
+A merged key that stands for m tokens should weigh as m keys in the softmax (ToMe's proportional
+attention): its logits get log(m) added. An additive bias would be an attention mask, which makes
+PyTorch's SDPA leave FlashAttention for a slower kernel. Instead the bias rides in one extra channel of
+each head: the queries hold 1 there, the keys log(m), and softmax(q'k'^T / sqrt(d')) equals
+softmax(qk^T / sqrt(d) + log m) because the queries are pre-scaled by sqrt(d' / d). The values get zeros
+in the extra channels, so the output's first d channels of each head are the attention's output. Heads
+are padded to a multiple of 8 channels (what fused kernels want), so any attention function that takes
+(B, L, heads * d) tensors and scales by 1/sqrt(d) (ComfyUI's ``optimized_attention``) runs it unchanged.
+"""
+import math
+
+import torch
+
+PAD_TO = 8
+
+
+def padded_head(d: int) -> int:
+    """Channels per head once the bias channel is added: d + 1 rounded up to a multiple of PAD_TO."""
+    return -(-(d + 1) // PAD_TO) * PAD_TO
+
+
+def with_key_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, heads: int):
+    """(q', k', v'), each (B, L, heads * padded_head(d)), such that attention over them with the usual
+    1/sqrt(head channels) scale is attention over (q, k, v) with ``bias`` (B, Lk) added to every query's
+    logit of each key. q: (B, Lq, heads * d); k, v: (B, Lk, heads * d)."""
+    B, Lq, C = q.shape
+    Lk = k.shape[1]
+    d = C // heads
+    e = padded_head(d)
+    scale = math.sqrt(e / d)
+    qh = torch.cat([q.view(B, Lq, heads, d) * scale, q.new_ones(B, Lq, heads, 1), q.new_zeros(B, Lq, heads, e - d - 1)], -1)
+    column = (bias.to(k.dtype) * math.sqrt(e)).view(B, Lk, 1, 1).expand(B, Lk, heads, 1)
+    kh = torch.cat([k.view(B, Lk, heads, d), column, k.new_zeros(B, Lk, heads, e - d - 1)], -1)
+    vh = torch.cat([v.view(B, Lk, heads, d), v.new_zeros(B, Lk, heads, e - d)], -1)
+    return qh.view(B, Lq, heads * e), kh.view(B, Lk, heads * e), vh.view(B, Lk, heads * e)
+
+
+def without_padding(out: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    """The (B, L, heads * d) attention output inside ``out`` (B, L, heads * padded_head(d))."""
+    B, L, _ = out.shape
+    return out.view(B, L, heads, padded_head(d))[..., :d].reshape(B, L, heads * d)
