@@ -1,7 +1,7 @@
 """Speed-vs-fidelity curves on the trained proxies: each method's knob swept, compared at equal speed.
 
-    python -m toma_bench.curves [--arch sd15|flux|wan] [--set methods|toma] [--side 32] [--batch 4] [--steps 20]
-                                [--repeats 5] [--threads 1] [--out DIR]
+    python -m toma_bench.curves [--arch sd15|flux|wan] [--set methods|toma|placements] [--side 32] [--batch 4]
+                                [--steps 20] [--repeats 5] [--threads 1] [--hardware h200|...|cpu] [--out DIR]
 
 The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x-layout UNet or Flux DiT, trained
 here on photographs), so a merge that damages the model shows in pictures. Every variant is the proxy
@@ -13,7 +13,11 @@ Fidelity, against the unpatched run: PSNR and SSIM of the decoded pictures, rela
 latents. Runs are deterministic (checked: every timed run must reproduce the first run's latents
 bit for bit), so the fidelity columns reproduce to the digit.
 
-Speed: the process CPU time and the wall time of whole sampling runs. After one untimed run per variant
+Speed, the axis: the cost model's (toma_bench.costmodel) modelled GPU speed-up of the real-size model of
+the proxy's family (SD1.5 512x512, FLUX.1-dev 1024x1024, Wan 2.1 14B 720p) patched with the same setting,
+for as many steps as the proxy runs, on ``--hardware`` (default h200), with the FLOPs it saves beside
+it: the speed users get, not that of a 1024-token proxy on a CPU. ``--hardware cpu`` makes the CPU time
+the axis again. CPU columns stay: the process CPU time and the wall time of whole sampling runs. After one untimed run per variant
 (the fidelity run, which also warms up), ``--repeats`` rounds run every variant once, in an order
 rotated each round, so a slow spell of a shared machine hits all of them alike. A variant's speed-up
 is the median over rounds of unpatched time / variant time within the round; the spread is the
@@ -41,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from . import comfy_host, proxy, sampling
+from . import comfy_host, costmodel, proxy, sampling
+from .gpuclock import profile
 from .metrics import psnr, relative_l2, speedups, ssim
 from .tables import format_cell, format_table
 from .unet import Variant, builtin_tome
@@ -84,6 +89,25 @@ def toma_settings(tn, arch: str) -> list[Variant]:
         if arch == "sd15":
             out.append(toma(tn, "ToMA levels auto+next", f"r={r:g}", r, levels="auto+next"))
         out.append(toma(tn, "ToMA merge every 2", f"r={r:g}", r, merge_every=2))
+    return out
+
+
+def placements(tn, comfy_nodes) -> list[Variant]:
+    """ToMA's placements and fidelity fixes (per-block plans, proportional attention, window 8, the first
+    20% of the schedule unmerged) against today's placement and the baselines that merge at 1/1."""
+    out = [Variant("unpatched", "", lambda m: m)]
+    out += [toma(tn, "ToMA attention", f"r={r:g}", r) for r in RATIOS]
+    fixed = {"plan_per_block": True, "proportional_attention": True}
+    out += [toma(tn, "ToMA attention, per block, proportional", f"r={r:g}", r, **fixed) for r in RATIOS]
+    for window in (4, 8):
+        out += [toma(tn, f"ToMA keys/values, per block, proportional, window {window}", f"r={r:g}", r,
+                     scope="keys/values", window_size=window, **fixed) for r in (0.5, 0.75, 0.85)]
+    out += [toma(tn, "ToMA keys/values, per block, proportional, window 8, start 0.2", f"r={r:g}", r,
+                 scope="keys/values", window_size=8, start_percent=0.2, **fixed) for r in (0.75, 0.85)]
+    out += [toma(tn, "ToMA queries, per block, window 8", f"r={r:g}", r, scope="queries", window_size=8,
+                 plan_per_block=True) for r in (0.5, 0.75)]
+    out += [Variant("ToMeSD", f"r={r:g}", lambda m, r=r: tn.ToMeSDPatchModel().patch(m, r)[0]) for r in (0.5, 0.75)]
+    out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: builtin_tome(comfy_nodes, m, r)) for r in (0.5, 0.75)]
     return out
 
 
@@ -143,6 +167,8 @@ class Row:
     psnr: float
     ssim: float
     latent_rel_l2: float
+    gpu_speedup: float | None = None  # the cost model's, of the real-size model with the same setting
+    flops_saved: float | None = None  # % of the real-size model's FLOPs per step
 
 
 def measure(base, variants: list[Variant], args, pack, progress=print):
@@ -168,22 +194,38 @@ def measure(base, variants: list[Variant], args, pack, progress=print):
     pictures = [proxy.latent_to_images(base, run.latent) for run in first]
     rows = []
     for i, v in enumerate(variants):
-        cpu_speedup, *cpu_spread = speedups([x.cpu for x in runs[0]], [x.cpu for x in runs[i]])
-        wall_speedup, _, _ = speedups([x.wall for x in runs[0]], [x.wall for x in runs[i]])
-        rows.append(Row(v, statistics.median(x.cpu for x in runs[i]), statistics.median(x.wall for x in runs[i]),
+        timed = runs[i] or [first[i]]  # --repeats 0: the fidelity run's own (untimed-order) seconds
+        cpu_speedup, *cpu_spread = speedups([x.cpu for x in runs[0] or [first[0]]], [x.cpu for x in timed])
+        wall_speedup, _, _ = speedups([x.wall for x in runs[0] or [first[0]]], [x.wall for x in timed])
+        rows.append(Row(v, statistics.median(x.cpu for x in timed), statistics.median(x.wall for x in timed),
                         cpu_speedup, tuple(cpu_spread), wall_speedup, removed[i], psnr(pictures[i], pictures[0]),
                         ssim(pictures[i], pictures[0]), relative_l2(first[i].latent, first[0].latent)))
     return rows, pictures
 
 
+# The real-size model whose modelled GPU speed is each proxy's speed axis (toma_bench.costmodel.SPECS).
+REAL_SIZE = {"sd15": "sd15", "flux": "flux", "wan": "wan_720p"}
+
+
+def gpu_clock(rows: list[Row], pack, args, progress=print) -> None:
+    """Fill each row's modelled GPU speed-up and FLOPs saved: the cost model records the real-size model
+    of the proxy's family patched with the same setting, for as many steps as the proxy runs."""
+    spec = costmodel.SPECS[REAL_SIZE[args.arch]]
+    recorded = costmodel.record_model(spec, pack, args.steps,
+                                      [costmodel.Variant(r.variant.label, r.variant.patch) for r in rows],
+                                      progress=progress)
+    for row, priced in zip(rows, costmodel.price(recorded, profile(args.hardware), "pipelined", False)):
+        row.gpu_speedup, row.flops_saved = priced.speed_up, priced.flops_saved or 0.0
+
+
 # -- output -------------------------------------------------------------------------------------------
-def table(rows: list[Row]) -> str:
-    head = ["variant", "CPU s", "wall s", "CPU speed-up", "spread", "wall speed-up", "removed", "PSNR dB", "SSIM",
-            "latent relL2"]
-    lines = [[r.variant.label, f"{r.cpu:.2f}", f"{r.wall:.2f}", f"{r.cpu_speedup:.3f}x",
-              f"{r.cpu_spread[0]:.2f}-{r.cpu_spread[1]:.2f}", f"{r.wall_speedup:.3f}x",
-              format_cell(r.removed and 100 * r.removed, "{:.0f}%"),
-              "inf" if math.isinf(r.psnr) else f"{r.psnr:.2f}", f"{r.ssim:.4f}", f"{r.latent_rel_l2:.4f}"]
+def table(rows: list[Row], hardware: str = "GPU") -> str:
+    head = ["variant", f"{hardware} speed-up", "FLOPs saved", "PSNR dB", "SSIM", "latent relL2", "removed",
+            "CPU s", "wall s", "CPU speed-up", "spread", "wall speed-up"]
+    lines = [[r.variant.label, format_cell(r.gpu_speedup, "{:.3f}x"), format_cell(r.flops_saved, "{:.1f}%"),
+              "inf" if math.isinf(r.psnr) else f"{r.psnr:.2f}", f"{r.ssim:.4f}", f"{r.latent_rel_l2:.4f}",
+              format_cell(r.removed and 100 * r.removed, "{:.0f}%"), f"{r.cpu:.2f}", f"{r.wall:.2f}",
+              f"{r.cpu_speedup:.3f}x", f"{r.cpu_spread[0]:.2f}-{r.cpu_spread[1]:.2f}", f"{r.wall_speedup:.3f}x"]
              for r in rows]
     return format_table(head, lines)
 
@@ -191,8 +233,9 @@ def table(rows: list[Row]) -> str:
 PSNR_TOP = 60.0  # dB: the plot's PSNR axis ends here
 
 
-def plot(rows: list[Row], path: Path, title: str) -> None:
-    """CPU-time speed-up vs PSNR and vs SSIM, a line per family (its knob's values annotated)."""
+def plot(rows: list[Row], path: Path, title: str, speed_axis: str) -> None:
+    """Speed-up (the modelled GPU's where rows have it, else CPU time's) vs PSNR and vs SSIM, a line per
+    family (its knob's values annotated)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,7 +247,8 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
                              (axes[1], "ssim", "SSIM of the pictures vs unpatched")):
         for k, family in enumerate(families):
             # a variant that merges (almost) nothing has a PSNR far above the rest: shown at the top edge
-            pts = sorted((r.cpu_speedup, min(getattr(r, metric), PSNR_TOP), r.variant.setting) for r in rows
+            pts = sorted((r.cpu_speedup if r.gpu_speedup is None else r.gpu_speedup,
+                          min(getattr(r, metric), PSNR_TOP), r.variant.setting) for r in rows
                          if r.variant.family == family)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^vDP*Xh<>"[k % 11], lw=1, ms=4,
                     label=family, color=f"C{k % 10}")
@@ -212,7 +256,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
                 ax.annotate(s.split("=")[-1], (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6,
                             color=f"C{k % 10}")
         ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
-        ax.set_xlabel("speed-up vs unpatched, process CPU time (x)", fontsize=8)
+        ax.set_xlabel(f"speed-up vs unpatched, {speed_axis} (x)", fontsize=8)
         ax.set_ylabel(name, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
@@ -249,34 +293,48 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.curves", description=__doc__.split("\n\n")[0])
     # pictures only: the wan proxy samples clips
     ap.add_argument("--arch", choices=list(proxy.SPECS), default="sd15", help="which trained proxy (default sd15)")
-    ap.add_argument("--set", choices=["methods", "toma"], default="methods",
-                    help="methods: every method's knob swept; toma: ToMA's settings around its defaults")
+    ap.add_argument("--set", choices=["methods", "toma", "placements"], default="methods",
+                    help="methods: every method's knob swept; toma: ToMA's settings around its defaults; "
+                         "placements (sd15): ToMA's placements and fidelity fixes against the baselines")
+    ap.add_argument("--hardware", default="h200",
+                    help="the cost model's GPU profile for the speed axis (toma_bench.gpuclock; default h200); "
+                         "'cpu': no cost model, the process CPU time is the axis")
     ap.add_argument("--side", type=int, default=proxy.LATENT_SIDE,
                     help=f"latent side (default {proxy.LATENT_SIDE}, the training size)")
     ap.add_argument("--batch", type=int, default=4, help="pictures per run (default 4)")
     ap.add_argument("--steps", type=int, default=20, help="euler steps per run (default 20)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed rounds over all variants (default 5)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed CPU rounds over all variants (default 5; 0: only the fidelity run's own times)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ap.add_argument("--proxy", default=None, help="proxy safetensors (default: the shipped one for --arch)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder of the plot and the picture grid ('' for none)")
     args = ap.parse_args(argv)
-    for name in ("side", "batch", "steps", "repeats", "threads"):
+    for name in ("side", "batch", "steps", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.repeats < 0:
+        ap.error(f"--repeats must be at least 0, got {args.repeats}")
+    if args.set == "placements" and args.arch != "sd15":
+        ap.error("--set placements is for --arch sd15 (the other placements are UNet-only)")
+    if args.hardware != "cpu":
+        try:
+            profile(args.hardware)
+        except ValueError as e:
+            ap.error(str(e))
     return args
 
 
 def command_line(args) -> str:
     """The command that reproduces this run's numbers (every option that changes them)."""
     return (f"python -m toma_bench.curves --arch {args.arch} --set {args.set} --side {args.side} --batch {args.batch} "
-            f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads}")
+            f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --hardware {args.hardware}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     # ComfyUI's own nodes (its TomePatchModel) only for the UNet's methods: nothing else needs nodes.py
-    builtin_nodes = args.arch == "sd15" and args.set == "methods"
+    builtin_nodes = args.arch == "sd15" and args.set in ("methods", "placements")
     root = comfy_host.import_comfy(comfy_host.comfy_root(default=comfy_host.CURRENT_TREE), pytorch_attention=True,
                                    extra_nodes=builtin_nodes)
     logging.getLogger().setLevel(logging.WARNING)  # after ComfyUI's basicConfig(INFO): no per-run chatter
@@ -292,6 +350,8 @@ def main(argv=None) -> None:
         variants = video_methods(tn) if args.set == "methods" else toma_settings(tn, args.arch)
     elif args.arch == "flux":
         variants = dit_methods(tn) if args.set == "methods" else toma_settings(tn, args.arch)
+    elif args.set == "placements":
+        variants = placements(tn, comfy_nodes)
     else:
         variants = unet_methods(tn, comfy_nodes) if builtin_nodes else toma_settings(tn, args.arch)
     tokens = (args.side // (1 if args.arch == "sd15" else 2)) ** 2 * (spec.frames or 1)
@@ -307,11 +367,18 @@ def main(argv=None) -> None:
     with torch.inference_mode():
         rows, pictures = measure(base, variants, args, pack, progress=lambda s: print(s, flush=True))
     print(f"load after: {os.getloadavg()[0]:.1f}\n")
-    print(table(rows), flush=True)
+    speed_axis = "process CPU time"
+    if args.hardware != "cpu":
+        gpu_clock(rows, pack, args, progress=lambda s: print(s, flush=True))
+        spec_title = costmodel.SPECS[REAL_SIZE[args.arch]].title
+        speed_axis = f"modelled {args.hardware} ({spec_title}, {args.steps} steps)"
+        print(f"\nspeed axis: {speed_axis}; toma_bench.costmodel")
+    print(table(rows, args.hardware), flush=True)
     if args.out:
         stem = Path(args.out) / f"curves_{args.arch}_{args.set}_{args.side}"
         plot(rows, stem.with_name(stem.name + ".png"), f"{args.arch} proxy, {args.batch} pictures of latent "
-             f"{args.side}x{args.side}, {args.steps} steps, {args.threads} thread(s): {command_line(args)}")
+             f"{args.side}x{args.side}, {args.steps} steps, {args.threads} thread(s): {command_line(args)}",
+             speed_axis)
         sample_grid(rows, pictures, stem.with_name(stem.name + "_samples.png"))
         print(f"\nplot: {stem}.png; pictures: {stem}_samples.png")
 
