@@ -56,6 +56,8 @@ def main():
                              "calls": len(rec.calls), "merged": rec.merged, "flag": row.flag,
                              "speed_up": row.speed_up, "range": row.speed_range,
                              "kernels_per_call": [sum(op.kernel for op in call) for call in rec.calls],
+                             "stage_kernels_step1": {stage: sum(op.kernel for op in rec.calls[1] if op.stage == stage)
+                                                     for stage in ("select", "merge", "unmerge")},
                              "syncs_per_call": row.syncs_per_call}
                    for rec, row in zip(recorded, rows)}
     out["table"] = costmodel.table(rows)

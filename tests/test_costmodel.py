@@ -60,6 +60,15 @@ def test_every_model_call_is_recorded_and_reuse_steps_cost_less(probe):
     assert toma["syncs_per_call"] == 1.0  # the step's sigma, read once per model call
 
 
+def test_kernels_per_merged_block_as_documented(probe):
+    # docs/benchmarks.md, "Predicted on GPUs": scope attention adds 2 kernels to merge (the window gather's
+    # copy, one bmm) and 2 to unmerge (one bmm, the copy back) per merged self-attention; SD15_TINY has 5
+    # blocks at 1/1 (2 down, 3 up)
+    stages = probe["sd15"]["ToMA r=0.5"]["stage_kernels_step1"]
+    assert stages["merge"] == 2 * 5 and stages["unmerge"] == 2 * 5
+    assert stages["select"] > 0  # weights_interval 1: the weights are refreshed every step
+
+
 def test_a_variant_that_cannot_merge_is_flagged(probe):
     # without a fixed count CA-ToMe's data-dependent read fails on meta: every plan falls back to unmerged
     assert probe["sd15"]["CA-ToMe, no fixed count"]["flag"] == "MERGED NOTHING"

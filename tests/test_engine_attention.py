@@ -50,16 +50,16 @@ def test_log_mass_counts_the_tokens_each_destination_stands_for():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 8 * 8, 16, generator=g)
     plan = plan_tiles(x, (8, 8), 4, 0.5, tau=1000.0)
-    mass = plan.log_mass().exp()
+    mass = plan.log_mass.exp()
     assert mass.shape == (2, plan.num_merged)
     torch.testing.assert_close(mass.sum(-1), torch.full((2,), 64.0), rtol=1e-4, atol=1e-3)  # every token once
     assert (mass >= 0.999).all()  # a destination stands at least for itself
     # edge windows (a 6x6 grid in 4x4 windows) keep fewer destinations: only live slots are returned
     edge = plan_tiles(torch.randn(1, 36, 16, generator=g), (6, 6), 4, 0.5)
-    assert edge.log_mass().shape == (1, edge.num_merged)
-    torch.testing.assert_close(edge.log_mass().exp().sum(), torch.tensor(36.0), rtol=1e-4, atol=1e-3)
+    assert edge.log_mass.shape == (1, edge.num_merged)
+    torch.testing.assert_close(edge.log_mass.exp().sum(), torch.tensor(36.0), rtol=1e-4, atol=1e-3)
 
 
 def test_ratio_zero_plan_has_unit_mass():
     plan = plan_tiles(torch.randn(1, 16, 8), (4, 4), 4, 0.0)
-    assert torch.equal(plan.log_mass(), torch.zeros(1, 16))
+    assert torch.equal(plan.log_mass, torch.zeros(1, 16))

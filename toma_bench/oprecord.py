@@ -40,7 +40,7 @@ CONVS = {aten.convolution, aten._convolution}
 SYNCS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal, aten.unique_dim,
          aten._unique2, aten.unique_consecutive, aten.repeat_interleave}
 # allocations and metadata: no kernel is launched
-NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.detach,
+NO_KERNEL = {aten._unsafe_view, aten._reshape_alias, aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.detach,
              aten.alias, aten.lift_fresh, aten.set_, aten.resize_, aten.lift_fresh_copy, aten.sym_size,
              aten.sym_stride, aten.sym_numel, aten.sym_storage_offset}
 # data movement: gathers, scatters, concatenation and copies

@@ -2,9 +2,9 @@
 
 A merged key that stands for m tokens should weigh as m keys in the softmax (ToMe's proportional
 attention): its logits get log(m) added. An additive bias would be an attention mask, which makes
-PyTorch's SDPA leave FlashAttention for a slower kernel. Instead the bias rides in one extra channel of
-each head: the queries hold 1 there, the keys log(m), and softmax(q'k'^T / sqrt(d')) equals
-softmax(qk^T / sqrt(d) + log m) because the queries are pre-scaled by sqrt(d' / d). The values get zeros
+PyTorch's SDPA leave FlashAttention for a slower kernel. Instead the bias rides in extra channels of
+each head: the queries hold 1 in each, the keys an equal share of log(m), so softmax(q'k'^T / sqrt(d'))
+equals softmax(qk^T / sqrt(d) + log m), the queries being pre-scaled by sqrt(d' / d). The values get zeros
 in the extra channels, so the output's first d channels of each head are the attention's output. Heads
 are padded to a multiple of 8 channels (what fused kernels want), so any attention function that takes
 (B, L, heads * d) tensors and scales by 1/sqrt(d) (ComfyUI's ``optimized_attention``) runs it unchanged.
@@ -12,6 +12,7 @@ are padded to a multiple of 8 channels (what fused kernels want), so any attenti
 import math
 
 import torch
+import torch.nn.functional as F
 
 PAD_TO = 8
 
@@ -24,16 +25,16 @@ def padded_head(d: int) -> int:
 def with_key_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, heads: int):
     """(q', k', v'), each (B, L, heads * padded_head(d)), such that attention over them with the usual
     1/sqrt(head channels) scale is attention over (q, k, v) with ``bias`` (B, Lk) added to every query's
-    logit of each key. q: (B, Lq, heads * d); k, v: (B, Lk, heads * d)."""
+    logit of each key. q: (B, Lq, heads * d); k, v: (B, Lk, heads * d). The queries hold 1 in every
+    extra channel and the keys an equal share of the bias, so each tensor takes one pad or one cat."""
     B, Lq, C = q.shape
     Lk = k.shape[1]
     d = C // heads
     e = padded_head(d)
-    scale = math.sqrt(e / d)
-    qh = torch.cat([q.view(B, Lq, heads, d) * scale, q.new_ones(B, Lq, heads, 1), q.new_zeros(B, Lq, heads, e - d - 1)], -1)
-    column = (bias.to(k.dtype) * math.sqrt(e)).view(B, Lk, 1, 1).expand(B, Lk, heads, 1)
-    kh = torch.cat([k.view(B, Lk, heads, d), column, k.new_zeros(B, Lk, heads, e - d - 1)], -1)
-    vh = torch.cat([v.view(B, Lk, heads, d), v.new_zeros(B, Lk, heads, e - d)], -1)
+    qh = F.pad(q.view(B, Lq, heads, d) * math.sqrt(e / d), (0, e - d), value=1.0)
+    share = (bias * (math.sqrt(e) / (e - d))).to(k.dtype).view(B, Lk, 1, 1).expand(B, Lk, heads, e - d)
+    kh = torch.cat([k.view(B, Lk, heads, d), share], -1)
+    vh = F.pad(v.view(B, Lk, heads, d), (0, e - d))
     return qh.view(B, Lq, heads * e), kh.view(B, Lk, heads * e), vh.view(B, Lk, heads * e)
 
 

@@ -10,7 +10,7 @@ For one tile with normalised tokens X (S x C) and destinations Dn (D x C):
 Merging and unmerging are batched matmuls over (B, T) with tiny D x S matrices: no sort, no scatter.
 """
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -111,8 +111,10 @@ class MergePlan(TokenPlan):
             y = y.new_zeros(B, T * D, y.shape[-1]).index_copy_(1, self.live, y)
         return untile_tokens(self.unmerge_weights @ y.view(B, T, D, -1), self.grid)
 
+    @cached_property
     def log_mass(self) -> torch.Tensor:
-        """(B, N') fp32: log of how many tokens each merged token stands for (proportional attention)."""
+        """(B, N') fp32: log of how many tokens each merged token stands for (proportional attention);
+        computed once per plan, which every block of a level and step reuses."""
         B, T, D = self.mass.shape
         logs = self.mass.clamp_min(1e-6).log().view(B, T * D)
         return logs if self.live is None else logs.index_select(1, self.live)
@@ -143,6 +145,7 @@ class IdentityPlan(TokenPlan):
     def destination_tokens(self) -> torch.Tensor:
         return torch.arange(self.num_merged, device=self.device).expand(self.batch_size, -1)
 
+    @cached_property
     def log_mass(self) -> torch.Tensor:
         return torch.zeros(self.batch_size, self.num_merged, device=self.device)
 

@@ -185,7 +185,7 @@ class UNetPatch:
             queries, keys = {placement.ATTENTION: (merged, merged), placement.KEYS_VALUES: (x, merged),
                              placement.QUERIES: (merged, x)}[patch.scope]
             if patch.proportional:
-                out = proportional_attention(attention, queries, keys, plan.log_mass(), kwargs)
+                out = proportional_attention(attention, queries, keys, plan.log_mass, kwargs)
             else:
                 out = original(queries, context=keys, value=keys, **kwargs)
             if queries is x:
