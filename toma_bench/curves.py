@@ -98,10 +98,17 @@ def placements(tn, comfy_nodes) -> list[Variant]:
     out = [Variant("unpatched", "", lambda m: m)]
     out += [toma(tn, "ToMA attention", f"r={r:g}", r) for r in RATIOS]
     fixed = {"plan_per_block": True, "proportional_attention": True}
+    out.append(toma(tn, "ToMA attention, proportional", "r=0.5", 0.5, proportional_attention=True))
+    out.append(toma(tn, "ToMA attention, proportional, window 8", "r=0.75", 0.75, proportional_attention=True,
+                    window_size=8))
     out += [toma(tn, "ToMA attention, per block, proportional", f"r={r:g}", r, **fixed) for r in RATIOS]
     for window in (4, 8):
         out += [toma(tn, f"ToMA keys/values, per block, proportional, window {window}", f"r={r:g}", r,
                      scope="keys/values", window_size=window, **fixed) for r in (0.5, 0.75, 0.85)]
+    out.append(toma(tn, "ToMA keys/values, proportional, window 8", "r=0.75", 0.75, scope="keys/values",
+                    window_size=8, proportional_attention=True))
+    out.append(toma(tn, "ToMA keys/values, per block, proportional, window 8, weights every 5", "r=0.75", 0.75,
+                    scope="keys/values", window_size=8, weights_interval=5, **fixed))
     out += [toma(tn, "ToMA keys/values, per block, proportional, window 8, start 0.2", f"r={r:g}", r,
                  scope="keys/values", window_size=8, start_percent=0.2, **fixed) for r in (0.75, 0.85)]
     out += [toma(tn, "ToMA queries, per block, window 8", f"r={r:g}", r, scope="queries", window_size=8,
