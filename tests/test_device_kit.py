@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.device
 
-SDXL_VARIANTS = 1 + 3 * 2 * 2 + 1  # unpatched, ToMA ratios x levels x scopes, ToMeSD
+SDXL_VARIANTS = 1 + 3 * 2 * 2 + 1 + 1  # unpatched, ToMA ratios x levels x scopes, the keys/values candidate, ToMeSD
 FLUX_VARIANTS = 1 + 3 * 2  # unpatched, ToMA ratios x placements
 
 

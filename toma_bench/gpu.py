@@ -13,7 +13,8 @@ What runs: bf16 weights, PyTorch SDPA attention, batch 1, random weights (nothin
 the real sizes, sampled through ComfyUI's own sampler (euler), every variant patched by the pack's nodes:
 - SDXL (full widths and depths) at 1024x1024 (128x128 latent), CFG 5, so each step is one UNet call on
   the cond and uncond rows: unpatched; ToMA at ratios 0.25/0.5/0.75 with levels auto (1/2) and auto+next
-  (1/2 and 1/4) in scopes attention and block; ToMeSD at 0.5 on the 1/2 level.
+  (1/2 and 1/4) in scopes attention and block; the keys/values candidate (per-block plans,
+  proportional attention, window 8, r=0.75); ToMeSD at 0.5 on the 1/2 level.
 - FLUX.1-dev (hidden 3072, 19 double + 38 single blocks) at 1024x1024 (4096 image tokens) with 512 text
   tokens, CFG 1: unpatched; ToMA at 0.25/0.5/0.75 on the double and single blocks (the adapter's
   default), and on the single blocks only.
@@ -106,6 +107,11 @@ def sdxl_variants(pack) -> list[Variant]:
                                    count_syncs=r == 0.5 and (levels, scope) in {("auto", "attention"),
                                                                                ("auto+next", "block")},
                                    profiled=(r, levels, scope) == (0.5, "auto", "attention")))
+    # the fidelity fixes' best setting on the SD1.x proxy (docs/benchmarks.md, placements), as a candidate
+    out.append(Variant("ToMA r=0.75 keys/values per block proportional window 8",
+                       lambda m: tn.ToMAPatchModelAdvanced().patch(m, 0.75, 8, REUSE, scope="keys/values",
+                                                                   plan_per_block=True,
+                                                                   proportional_attention=True)[0]))
     out.append(Variant("ToMeSD r=0.5 (1/2 level)", lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, 2)[0],
                        count_syncs=True))
     return out
