@@ -5,10 +5,14 @@
 # The same venv keeps serving the pinned tree; torch/torchvision stay as tests/setup_host.sh pinned them.
 # Then:  export COMFYUI_PATH=<repo>/.comfyui-current   and run the tests as usual.
 # Env: COMFYUI_MIRROR, a bare git dir of Comfy-Org/ComfyUI (default: the mirror beside this checkout).
+# tests/setup_newest.sh runs this script for a newer tree: COMFYUI_DEST (the folder to extract into) and
+# COMFYUI_KEEP_WHEELS=1 (leave the comfyui-* wheels as the venv has them: the browser tests pin the
+# front end of the current tree, and the tests pass --front-end-root anyway).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
-dest="$root/.comfyui-current"
+dest="${COMFYUI_DEST:-$root/.comfyui-current}"
+label="setup-${dest##*/.comfyui-}"  # setup-current, setup-newest
 mirror="${COMFYUI_MIRROR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/.mirror/Comfy-Org+ComfyUI/repo}"
 py="$venv/bin/python"
 
@@ -16,7 +20,7 @@ py="$venv/bin/python"
 
 if [ -d "$mirror" ] && rev="$(git --git-dir="$mirror" rev-parse HEAD 2>/dev/null)"; then
   if [ "$(cat "$dest/.comfyui-commit" 2>/dev/null)" != "$rev" ]; then
-    echo "[setup-current] extracting ComfyUI $rev from $mirror"
+    echo "[$label] extracting ComfyUI $rev from $mirror"
     rm -rf "$dest.tmp" && mkdir "$dest.tmp"
     # Like `git archive HEAD`, but a snapshot may lack its largest blobs (e.g. a llama tokenizer.json):
     # check out every file whose blob is present through a throwaway index and list the others.
@@ -28,7 +32,7 @@ if [ -d "$mirror" ] && rev="$(git --git-dir="$mirror" rev-parse HEAD 2>/dev/null
     awk -F '\t' 'NR == FNR {gone[$1] = 1; next} {split($1, f, " "); if (f[3] in gone) print $2}' \
       "$index.missing" "$index.tree" > "$dest.tmp/.missing-files"
     if [ -s "$dest.tmp/.missing-files" ]; then
-      echo "[setup-current] not in the mirror, skipped: $(tr '\n' ' ' < "$dest.tmp/.missing-files")"
+      echo "[$label] not in the mirror, skipped: $(tr '\n' ' ' < "$dest.tmp/.missing-files")"
       GIT_INDEX_FILE="$index" git --git-dir="$mirror" update-index --force-remove --stdin < "$dest.tmp/.missing-files"
     fi
     GIT_INDEX_FILE="$index" git --git-dir="$mirror" --work-tree="$dest.tmp" checkout-index -a -f
@@ -37,7 +41,7 @@ if [ -d "$mirror" ] && rev="$(git --git-dir="$mirror" rev-parse HEAD 2>/dev/null
     rm -rf "$dest" && mv "$dest.tmp" "$dest"
   fi
 elif [ ! -f "$dest/main.py" ]; then
-  echo "[setup-current] no mirror at $mirror; set COMFYUI_MIRROR, or clone ComfyUI into $dest yourself" >&2
+  echo "[$label] no mirror at $mirror; set COMFYUI_MIRROR, or clone ComfyUI into $dest yourself" >&2
   exit 1
 fi
 
@@ -46,7 +50,7 @@ fi
 # Packages below "#non essential" and the comfyui-* wheels (frontend, templates, docs) are optional:
 # the tests pass --front-end-root, and a missing one only turns some comfy_extras into warnings.
 reqs="$dest/requirements.txt"
-stamp="$venv/.current-requirements"
+stamp="$venv/.${dest##*/.comfyui-}-requirements"
 if ! cmp -s "$reqs" "$stamp" 2>/dev/null; then
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
@@ -54,12 +58,13 @@ if ! cmp -s "$reqs" "$stamp" 2>/dev/null; then
   awk '/^#non essential/ {opt=1} /^[[:space:]]*(#|$)/ {next}
        { name=tolower($0); sub(/[<>=~!; \[].*/, "", name)
          if (name ~ /^(torch|torchvision|torchaudio)$/) next
+         if (name ~ /^comfyui-/ && "'"${COMFYUI_KEEP_WHEELS:-}"'" != "") next
          if (opt || name ~ /^comfyui-/) print > "'"$tmp"'/optional.txt"; else print > "'"$tmp"'/required.txt" }' "$reqs"
-  echo "[setup-current] installing current ComfyUI's requirements into $venv"
+  echo "[$label] installing the requirements of $dest into $venv"
   "$py" -m pip install -q -c "$tmp/constraints.txt" -r "$tmp/required.txt"
   while read -r req; do
     "$py" -m pip install -q -c "$tmp/constraints.txt" "$req" \
-      || echo "[setup-current] WARNING: optional '$req' not installed"
+      || echo "[$label] WARNING: optional '$req' not installed"
   done < "$tmp/optional.txt"
   cp "$reqs" "$stamp"
 fi
@@ -70,9 +75,9 @@ for tree in "$root/.comfyui" "$dest"; do
 comfy_host.import_comfy(); import nodes; assert "TomePatchModel" in nodes.NODE_CLASS_MAPPINGS' \
       "$root" > "$venv/.import-check.log" 2>&1; then
     tail -n 30 "$venv/.import-check.log" >&2
-    echo "[setup-current] ComfyUI at $tree does not import in $venv (log: $venv/.import-check.log)" >&2
+    echo "[$label] ComfyUI at $tree does not import in $venv (log: $venv/.import-check.log)" >&2
     exit 1
   fi
 done
-echo "[setup-current] ready. Run the tests against current ComfyUI with:"
+echo "[$label] ready. Run the tests against it with:"
 echo "export COMFYUI_PATH=$dest"
