@@ -30,8 +30,10 @@ What runs merged:
 
 Which blocks: the paper merges Flux double blocks 5-18 of 19 and single blocks 5-37 of 38. Other depths
 skip the same fraction of each group (depth * 5/19 double blocks, depth * 5/38 single blocks, rounded
-half up). Blocks that already carry a "dit" replace patch from another node are left alone. Only ToMA
-patches DiTs: ToMeSD and CA-ToMe are UNet baselines.
+half up). Blocks that already carry a "dit" replace patch from another node are left alone, except the
+patches of a token merge node before this one: stacked, the node nearer the sampler merges where both
+would (as on UNets), and the earlier node keeps only the blocks left to it. Only ToMA patches DiTs:
+ToMeSD and CA-ToMe are UNet baselines.
 
 Plans: one per group (double, single; each merged reference grid a group of its own), token grid and
 batch layout, built at a recompute step by the group's first merged block and shared by its later blocks
@@ -448,6 +450,13 @@ def merged_blocks(depth: int, group: str) -> range:
     return BlockGroup("", group, depth, None, SKIP_FRACTION[group]).merged()
 
 
+def token_merge_node_of(patch):
+    """The runtime of the token merge node whose block patch ``patch`` (a "dit" replace patch) is, or
+    None for another node's patch."""
+    owner = getattr(patch, "__self__", None)
+    return owner.runtime if isinstance(owner, DiTPatch) else None
+
+
 def layout_wrapper(where: str, target, patch_size, model, stash=LayoutStash):
     """(wrapper type, key, ``stash``) for ModelPatcher.add_wrapper_with_key around ``target``, the
     function the ``where`` executor runs (its signature names the arguments); ``stash``: LayoutStash or
@@ -476,18 +485,25 @@ def patch_blocks(model, runtime: MergeRuntime, family: str, groups: list[BlockGr
         return model
     m = model.clone()
     taken = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-    merged, left = [], []
+    merged, left, retaken = [], [], {}
     for g in groups:
         for i in g.merged():
-            if (g.block, i) in taken:
-                left.append(f"{g.block} {i}")
-                continue
+            earlier = taken.get((g.block, i))
+            if earlier is not None:
+                previous = token_merge_node_of(earlier)
+                if previous is None:
+                    left.append(f"{g.block} {i}")
+                    continue
+                retaken.setdefault(previous.name, []).append(f"{g.block} {i}")
             m.set_model_patch_replace(g.patch, "dit", g.block, i)
             merged.append(f"{g.block} {i}")
     m.add_wrapper_with_key(*stash)
     install_run_hooks(m, runtime)
     if left:
         log.info("ToMA: %s left unmerged (already patched by another node)", ", ".join(left))
+    for previous, blocks in retaken.items():
+        log.info("ToMA: %s, nearer the sampler, merges %s in place of the %s node before it", runtime.name,
+                 ", ".join(blocks), previous)
     log.info("ToMA: %s patched on %s (%s): %d of %d blocks merge", runtime.name, name, family, len(merged),
              sum(g.depth for g in groups))
     return m
