@@ -421,3 +421,32 @@ def text_conditioning(context_dim: int, batch: int = 1, tokens: int = 256, seed:
     g = torch.Generator().manual_seed(seed)
     return ([[torch.randn(batch, tokens, context_dim, generator=g), dict(options)]],
             [[torch.randn(batch, tokens, context_dim, generator=g), dict(options)]])
+
+
+# -- Lumina 2 and Z-Image (NextDiT; Lumina 2 in current ComfyUI, Z-Image from v0.3.75, Nov 2025) -------------
+# Lumina 2 as ComfyUI detects it (model_detection): 26 layers of width 2304, 24 query / 8 key-value heads,
+# Gemma-2-2B text (2304), patch 2 on Flux latents.
+LUMINA2_FULL = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 2304, "cap_feat_dim": 2304,
+                "n_layers": 26, "qk_norm": True, "n_heads": 24, "n_kv_heads": 8, "axes_dims": [32, 32, 32],
+                "axes_lens": [300, 512, 512], "ffn_dim_multiplier": 4.0}
+# Tiny, for tests: 4 main layers (the first never merges), one refiner layer each, grouped key-value heads.
+LUMINA2_TINY = dict(LUMINA2_FULL, dim=64, cap_feat_dim=32, n_layers=4, n_refiner_layers=1, n_heads=4,
+                    n_kv_heads=2, axes_dims=[4, 6, 6])
+# Z-Image (Turbo and base, 6B): 30 layers of width 3840, Qwen3-4B text (2560), Z-Image modulation (its
+# timestep embedding is 256 wide, so a model narrower than 256 cannot be built), caption and image tokens
+# padded to multiples of 32.
+Z_IMAGE_FULL = dict(LUMINA2_FULL, dim=3840, cap_feat_dim=2560, n_layers=30, n_heads=30, n_kv_heads=30,
+                    axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0,
+                    ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0,
+                    pad_tokens_multiple=32)
+Z_IMAGE_TINY = dict(Z_IMAGE_FULL, dim=256, cap_feat_dim=32, n_layers=4, n_refiner_layers=1, n_heads=8,
+                    n_kv_heads=8, axes_dims=[8, 12, 12])
+
+
+def build_nextdit(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32, device=None):
+    """A ComfyUI ModelPatcher around a random-weight NextDiT: Z-Image where ``config`` has Z-Image's
+    modulation (Z_IMAGE_TINY, Z_IMAGE_FULL), else Lumina 2 (LUMINA2_TINY, LUMINA2_FULL)."""
+    import comfy.supported_models
+
+    family = comfy.supported_models.ZImage if config.get("z_image_modulation") else comfy.supported_models.Lumina2
+    return _patcher(_random_dit(family(dict(config)), seed, dtype, device))

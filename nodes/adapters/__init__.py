@@ -7,7 +7,7 @@ An adapter module offers:
                                              message, when the strategy or the host cannot serve it
 Adding a family is one module here, its line in ADAPTERS and its tests.
 """
-from . import chroma, flux, hunyuan_video, ltxv, qwen_image, sd3, unet, wan
+from . import chroma, flux, hunyuan_video, lumina, ltxv, qwen_image, sd3, unet, wan
 
 ADAPTERS = (
     unet,
@@ -18,6 +18,7 @@ ADAPTERS = (
     wan,
     qwen_image,
     chroma,
+    lumina,
 )
 
 

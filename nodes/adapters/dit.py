@@ -211,7 +211,9 @@ class LayoutStash:
             call = self.signature.bind(*args, **kwargs).arguments
         except TypeError:  # a host whose signature changed: blocks find no layout and run unmerged
             return executor(*args, **kwargs)
-        options, layout = call.get("transformer_options"), self.layout(call)
+        # Lumina 2's NextDiT takes transformer_options among its **kwargs
+        options = call.get("transformer_options", (call.get("kwargs") or {}).get("transformer_options"))
+        layout = self.layout(call)
         if not isinstance(options, dict) or layout is None:
             return executor(*args, **kwargs)
         options[LAYOUT_KEY] = layout
@@ -470,18 +472,27 @@ def layout_wrapper(where: str, target, patch_size, model, stash=LayoutStash):
     return getattr(WrappersMP, where), WRAPPER_KEY, stash(target, patch_size)
 
 
+def cannot_patch(model, runtime: MergeRuntime, family: str, stash) -> bool:
+    """Whether ``model`` must come back unpatched (logged): the strategy is a UNet baseline, or the host
+    has no wrapper (``stash`` None) to hand the blocks the token grid."""
+    name = type(model.model).__name__
+    if not runtime.strategy.patches_dits:
+        log.warning("ToMA: %s is a UNet baseline and does not patch DiTs; %s (%s) returned unpatched (use "
+                    "the ToMA node on DiTs)", runtime.name, name, family)
+        return True
+    if stash is None:
+        log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
+                    "unpatched", name)
+        return True
+    return False
+
+
 def patch_blocks(model, runtime: MergeRuntime, family: str, groups: list[BlockGroup], stash):
     """The patched clone of a DiT ``model`` whose ``groups`` merge, with ``stash`` (from
     ``layout_wrapper``) handing them the token grid; ``model`` itself, unpatched with a log message,
     when the strategy or the host cannot serve it."""
     name = type(model.model).__name__
-    if not runtime.strategy.patches_dits:
-        log.warning("ToMA: %s is a UNet baseline and does not patch DiTs; %s (%s) returned unpatched (use "
-                    "the ToMA node on DiTs)", runtime.name, name, family)
-        return model
-    if stash is None:
-        log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
-                    "unpatched", name)
+    if cannot_patch(model, runtime, family, stash):
         return model
     m = model.clone()
     taken = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
