@@ -203,3 +203,53 @@ def test_real_latent_with_tiny_width(pack):
     (stats,) = runtime.summary()["levels"].values()
     assert list(runtime.summary()["levels"]) == ["video 13x16x24"]
     assert stats["tokens"] == 4992 and abs(stats["merged_tokens"] - 2496) <= 100
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_rope_tables_with_a_split_flag(pack, model, split):
+    """ComfyUI of 2026 passes pe as (cos, sin, split): per-head (B, heads, N, D/2) tables when split (tokens
+    along dim 2), else (B, N, D). Merged tokens get their destinations' rows along the right axis and
+    the flag passes as it is (it used to crash the patch: a bool has no shape)."""
+    dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
+    frames, h, w, batch, heads = 2, 3, 4, 2, 4
+    layout = dit.ImageLayout(h, w, frames=frames)
+    N, C = frames * h * w, model.model.diffusion_model.inner_dim
+    rows = torch.arange(N, dtype=torch.float32)
+    table = rows.view(1, 1, N, 1).expand(batch, heads, N, 8) if split else rows.view(1, N, 1).expand(batch, N, C)
+    g = torch.Generator().manual_seed(7)
+    args = {"img": torch.randn(batch, N, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
+            "attention_mask": None, "vec": torch.randn(batch, 1, 6 * C, generator=g), "pe": (table, -table, split),
+            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+    _, runtime = toma_patched(pack, model)
+    seen = {}
+    out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
+    (plan,) = runtime.plans.values()
+    destinations = plan.destination_tokens()
+    assert seen["img"].shape[1] == destinations.shape[1] < N
+    assert seen["pe"][2] is split
+    for b in range(batch):
+        kept = destinations[b].float()
+        cos = seen["pe"][0][b, 0, :, 0] if split else seen["pe"][0][b, :, 0]
+        assert torch.equal(cos, kept)
+    dit_checks.check_update_on_every_token(out["img"], args["img"])
+
+
+def test_a_block_given_a_video_audio_pair_runs_unmerged(pack, model):
+    """LTX-2's blocks get img = (video, audio): a patch that finds one there hands the call on as it is."""
+    dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
+    pair = (torch.zeros(1, 12, 8), torch.zeros(1, 5, 8))
+    args = {"img": pair, "transformer_options": {"sigmas": torch.tensor([1.0]),
+                                                  dit.LAYOUT_KEY: dit.ImageLayout(3, 4, frames=1)}}
+    _, runtime = toma_patched(pack, model)
+    out = lt.LTXVPatch(runtime).block(args, {"original_block": lambda a: {"img": a["img"]}})
+    assert out["img"] is pair and not runtime.plans
+
+
+def test_ltx2_comes_back_unpatched_with_the_reason(pack, caplog):
+    """LTX-2 (LTXAVModel, an LTXVModel subclass in ComfyUI of 2026) is returned unpatched and the log says
+    why, instead of a patched model whose blocks never merge."""
+    from comfy.ldm.lightricks.model import LTXVModel
+
+    ltx2 = models.build_ltxv(seed=10)
+    ltx2.model.diffusion_model.__class__ = type("LTXAVModel", (LTXVModel,), {})
+    dit_checks.check_comes_back_unpatched(pack, ltx2, caplog, "LTX-2's blocks take a [video, audio] pair")

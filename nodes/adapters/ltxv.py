@@ -21,14 +21,28 @@ Flux's 38 single blocks): 4 of the 2B model's 28 blocks, 6 of the 13B model's 48
 
 Token grid: the DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (B, C, T, H, W)
 (patch size 1: a T x H x W grid), ``keyframe_idxs`` and the timesteps.
+
+Newer ComfyUI (2026): ``pe`` gains a third item, whether the RoPE is split per head; split tables are
+(B, heads, N, D/2), their tokens along dim 2. LTX-2 (``LTXAVModel``, an LTXVModel subclass) hands its
+blocks a [video, audio] pair with its own per-stream tables and compressed timesteps: it comes back
+unpatched, with the reason, rather than patched with blocks that would never merge.
 """
+import logging
+
 import torch
 
 from .. import placement
 from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, layout_wrapper,
                   patch_blocks, patched_side, sequence_index, take_rows, take_sequence)
 
+log = logging.getLogger("ComfyUI-ToMA")
+
 FAMILY = "LTX-Video"
+# Subclasses whose blocks take other inputs, and why they are not patched.
+REFUSED = {
+    "LTXAVModel": "LTX-2's blocks take a [video, audio] pair with per-stream RoPE tables, audio-video "
+                  "cross-attention and compressed timesteps, which this version of ToMA does not merge",
+}
 
 
 def supports(model) -> bool:
@@ -70,16 +84,23 @@ class LTXVPatch(DiTPatch):
     def block(self, args: dict, extras: dict) -> dict:
         run, img = extras["original_block"], args["img"]
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        if layout is None or img.shape[1] != layout.total or not self.fits(args, layout):
+        if layout is None or not torch.is_tensor(img) or img.shape[1] != layout.total or not self.fits(args, layout):
             return run(args)
         return self.merged_call("video", args, run, layout.lead, 0, layout)
 
     @staticmethod
     def fits(args: dict, layout: ImageLayout) -> bool:
-        """Whether pe and vec cover the tokens (another patch may have changed them)."""
+        """Whether pe and vec cover the tokens (another patch may have changed them, or a newer ComfyUI
+        passes something else)."""
         pe, vec = args.get("pe"), args.get("vec")
-        pe_fits = pe is None or (isinstance(pe, (tuple, list)) and all(t.shape[1] == layout.total for t in pe))
-        return pe_fits and (vec is None or vec.shape[1] in (1, layout.total))
+        if pe is not None:
+            if not isinstance(pe, (tuple, list)):
+                return False
+            axis = rope_token_axis(pe)
+            tables = [t for t in pe if torch.is_tensor(t)]
+            if not tables or any(t.dim() <= axis or t.shape[axis] != layout.total for t in tables):
+                return False
+        return vec is None or (torch.is_tensor(vec) and vec.dim() > 1 and vec.shape[1] in (1, layout.total))
 
     def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan, reference_plans=()) -> dict:
         """RoPE rows and (per-token timesteps) modulation rows of the destinations."""
@@ -88,14 +109,25 @@ class LTXVPatch(DiTPatch):
         index = sequence_index(layout.lead, layout.tokens, layout.total, plan.destination_tokens().to(device))
         out = {"vec": take_sequence(vec, index, 1, layout.total)}
         if pe is not None:
-            out["pe"] = tuple(take_rows(t, index, 1) for t in pe)
+            axis = rope_token_axis(pe)
+            out["pe"] = tuple(take_rows(t, index, axis) if torch.is_tensor(t) else t for t in pe)
         return out
+
+
+def rope_token_axis(pe) -> int:
+    """The token axis of LTX-Video's RoPE tables (cos, sin[, split]): dim 2 of the per-head (B, heads,
+    N, D/2) tables a true ``split`` marks, else dim 1 of (B, N, D)."""
+    return 2 if len(pe) > 2 and pe[2] is True else 1
 
 
 def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
     placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
     dm = model.model.diffusion_model
+    why = REFUSED.get(type(dm).__name__)
+    if why is not None:
+        log.warning("ToMA: %s is not served (%s); returned unpatched", type(dm).__name__, why)
+        return model
     groups = [BlockGroup("double_block", "video", len(dm.transformer_blocks), LTXVPatch(runtime).block,
                          SKIP_FRACTION["single"])]
     stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patchifier.patch_size, model,
