@@ -450,3 +450,50 @@ def build_nextdit(config: dict, seed: int = 0, dtype: torch.dtype = torch.float3
 
     family = comfy.supported_models.ZImage if config.get("z_image_modulation") else comfy.supported_models.Lumina2
     return _patcher(_random_dit(family(dict(config)), seed, dtype, device))
+
+
+# -- Flux.2 and HunyuanVideo 1.5 (ComfyUI v0.3.75, Nov 2025, and later) --------------------------------------
+# FLUX.2 [dev] as ComfyUI detects it: Flux's blocks with global modulation, 4-axis RoPE, no pooled vector,
+# 128-channel latents (the VAE packs 2x2) taken one token per latent pixel (patch 1), Mistral text (15360).
+FLUX2_FULL = {
+    "image_model": "flux2", "in_channels": 128, "out_channels": 128, "patch_size": 1, "vec_in_dim": None,
+    "context_in_dim": 15360, "hidden_size": 6144, "mlp_ratio": 3.0, "num_heads": 48, "depth": 8,
+    "depth_single_blocks": 48, "axes_dim": [32, 32, 32, 32], "theta": 2000, "qkv_bias": False, "ops_bias": False,
+    "guidance_embed": True, "global_modulation": True, "mlp_silu_act": True, "default_ref_method": "index",
+    "ref_index_scale": 10.0,
+}
+# Tiny, for tests: both block groups present (1 of 2 double, 3 of 3 single blocks merge).
+FLUX2_TINY = dict(FLUX2_FULL, context_in_dim=64, hidden_size=64, num_heads=4, depth=2, depth_single_blocks=3,
+                  axes_dim=[4, 4, 4, 4])
+# HunyuanVideo 1.5 (8.3B): 32-channel latents (VAE stride 4 x 16 x 16) with image and mask channels concatenated
+# (32 + 32 + 1), patch 1 x 1 x 1, Qwen2.5-VL text (3584), SigLIP vision tokens (1152) before the text.
+HUNYUAN_VIDEO15_FULL = dict(HUNYUAN_VIDEO_FULL, in_channels=65, out_channels=32, vec_in_dim=None,
+                            context_in_dim=3584, hidden_size=2048, num_heads=16, depth=54, depth_single_blocks=0,
+                            axes_dim=[16, 56, 56], patch_size=[1, 1, 1], guidance_embed=False,
+                            use_cond_type_embedding=True, vision_in_dim=1152)
+# Tiny, for tests: double blocks only, as in the real model (2 of 3 merge).
+HUNYUAN_VIDEO15_TINY = dict(HUNYUAN_VIDEO15_FULL, context_in_dim=64, hidden_size=64, num_heads=4, depth=3,
+                            axes_dim=[4, 6, 6], vision_in_dim=32)
+# The distilled super-resolution model: the low-resolution latent, its mask and more concatenated (98 channels).
+HUNYUAN_VIDEO15_SR_TINY = dict(HUNYUAN_VIDEO15_TINY, in_channels=98)
+
+
+def build_flux2(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight Flux.2 (FLUX2_TINY unless ``config``; FLUX2_FULL is
+    FLUX.2 [dev])."""
+    import comfy.supported_models
+
+    return _patcher(_random_dit(comfy.supported_models.Flux2(dict(config or FLUX2_TINY)), seed, dtype, device))
+
+
+def build_hunyuan_video15(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None,
+                          device=None, sr: bool = False):
+    """A ComfyUI ModelPatcher around a random-weight HunyuanVideo 1.5 (HUNYUAN_VIDEO15_TINY unless
+    ``config``); ``sr``: the distilled super-resolution model (HUNYUAN_VIDEO15_SR_TINY by default)."""
+    import comfy.supported_models
+
+    if sr:
+        family, default = comfy.supported_models.HunyuanVideo15_SR_Distilled, HUNYUAN_VIDEO15_SR_TINY
+    else:
+        family, default = comfy.supported_models.HunyuanVideo15, HUNYUAN_VIDEO15_TINY
+    return _patcher(_random_dit(family(dict(config or default)), seed, dtype, device))
