@@ -205,20 +205,26 @@ def test_real_latent_with_tiny_width(pack):
     assert stats["tokens"] == 4992 and abs(stats["merged_tokens"] - 2496) <= 100
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_rope_tables_with_a_split_flag(pack, model, split):
-    """ComfyUI of 2026 passes pe as (cos, sin, split): per-head (B, heads, N, D/2) tables when split (tokens
-    along dim 2), else (B, N, D). Merged tokens get their destinations' rows along the right axis and
-    the flag passes as it is (it used to crash the patch: a bool has no shape)."""
+@pytest.mark.parametrize("rope", ["cos-sin", "table", "cos-sin-split", "cos-sin-unsplit"])
+def test_every_rope_layout_gets_destination_rows(pack, model, rope):
+    """LTX-Video's pe has been (cos, sin), each (B, N, D) (until Oct 2025); one (B, 1, N, D/2, 2, 2) table
+    as Flux's (Nov 2025: it used to leave every block unmerged, silently); (cos, sin, split) (2026), with
+    per-head (B, heads, N, D/2) tables when split (it used to crash the patch: a bool has no shape).
+    Merged tokens get their destinations' rows along the right axis; the flag passes as it is."""
     dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
     frames, h, w, batch, heads = 2, 3, 4, 2, 4
     layout = dit.ImageLayout(h, w, frames=frames)
     N, C = frames * h * w, model.model.diffusion_model.inner_dim
     rows = torch.arange(N, dtype=torch.float32)
-    table = rows.view(1, 1, N, 1).expand(batch, heads, N, 8) if split else rows.view(1, N, 1).expand(batch, N, C)
+    per_head = rows.view(1, 1, N, 1).expand(batch, heads, N, 8)
+    pe, axis = {"cos-sin": ((rows.view(1, N, 1).expand(batch, N, C), -rows.view(1, N, 1).expand(batch, N, C)), 1),
+                "table": (rows.view(1, 1, N, 1, 1, 1).expand(batch, 1, N, 8, 2, 2), 2),
+                "cos-sin-split": ((per_head, -per_head, True), 2),
+                "cos-sin-unsplit": ((rows.view(1, N, 1).expand(batch, N, C), -rows.view(1, N, 1).expand(batch, N, C),
+                                     False), 1)}[rope]
     g = torch.Generator().manual_seed(7)
     args = {"img": torch.randn(batch, N, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
-            "attention_mask": None, "vec": torch.randn(batch, 1, 6 * C, generator=g), "pe": (table, -table, split),
+            "attention_mask": None, "vec": torch.randn(batch, 1, 6 * C, generator=g), "pe": pe,
             "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
     _, runtime = toma_patched(pack, model)
     seen = {}
@@ -226,11 +232,12 @@ def test_rope_tables_with_a_split_flag(pack, model, split):
     (plan,) = runtime.plans.values()
     destinations = plan.destination_tokens()
     assert seen["img"].shape[1] == destinations.shape[1] < N
-    assert seen["pe"][2] is split
+    tables = [seen["pe"]] if torch.is_tensor(pe) else [t for t in seen["pe"] if torch.is_tensor(t)]
+    if not torch.is_tensor(pe):
+        assert seen["pe"][2:] == pe[2:]
     for b in range(batch):
-        kept = destinations[b].float()
-        cos = seen["pe"][0][b, 0, :, 0] if split else seen["pe"][0][b, :, 0]
-        assert torch.equal(cos, kept)
+        first_rows = tables[0][b].movedim(axis - 1, 0).flatten(1)[:, 0]
+        assert torch.equal(first_rows, destinations[b].float())
     dit_checks.check_update_on_every_token(out["img"], args["img"])
 
 

@@ -22,8 +22,9 @@ Flux's 38 single blocks): 4 of the 2B model's 28 blocks, 6 of the 13B model's 48
 Token grid: the DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (B, C, T, H, W)
 (patch size 1: a T x H x W grid), ``keyframe_idxs`` and the timesteps.
 
-Newer ComfyUI (2026): ``pe`` gains a third item, whether the RoPE is split per head; split tables are
-(B, heads, N, D/2), their tokens along dim 2. LTX-2 (``LTXAVModel``, an LTXVModel subclass) hands its
+RoPE layouts, told apart by what ``pe`` is: (cos, sin), each (B, N, D) (ComfyUI until Oct 2025); one
+(B, 1, N, D/2, 2, 2) table as Flux's (from Nov 2025); (cos, sin, split) (2026), where a true ``split``
+marks per-head (B, heads, N, D/2) tables. Anything else runs the blocks unmerged, with a log message. LTX-2 (``LTXAVModel``, an LTXVModel subclass) hands its
 blocks a [video, audio] pair with its own per-stream tables and compressed timesteps: it comes back
 unpatched, with the reason, rather than patched with blocks that would never merge.
 """
@@ -84,7 +85,11 @@ class LTXVPatch(DiTPatch):
     def block(self, args: dict, extras: dict) -> dict:
         run, img = extras["original_block"], args["img"]
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        if layout is None or not torch.is_tensor(img) or img.shape[1] != layout.total or not self.fits(args, layout):
+        if layout is None or not torch.is_tensor(img) or img.shape[1] != layout.total:
+            return run(args)
+        if not self.fits(args, layout):
+            self.runtime.notice("%s: a block's RoPE table or modulation does not cover its %d tokens as ToMA "
+                                "expects; those blocks run unmerged", FAMILY, layout.total)
             return run(args)
         return self.merged_call("video", args, run, layout.lead, 0, layout)
 
@@ -94,10 +99,9 @@ class LTXVPatch(DiTPatch):
         passes something else)."""
         pe, vec = args.get("pe"), args.get("vec")
         if pe is not None:
-            if not isinstance(pe, (tuple, list)):
+            if not torch.is_tensor(pe) and not isinstance(pe, (tuple, list)):
                 return False
-            axis = rope_token_axis(pe)
-            tables = [t for t in pe if torch.is_tensor(t)]
+            axis, tables = rope_token_axis(pe), rope_tables(pe)
             if not tables or any(t.dim() <= axis or t.shape[axis] != layout.total for t in tables):
                 return False
         return vec is None or (torch.is_tensor(vec) and vec.dim() > 1 and vec.shape[1] in (1, layout.total))
@@ -108,15 +112,25 @@ class LTXVPatch(DiTPatch):
         device = (vec if pe is None else pe[0]).device
         index = sequence_index(layout.lead, layout.tokens, layout.total, plan.destination_tokens().to(device))
         out = {"vec": take_sequence(vec, index, 1, layout.total)}
-        if pe is not None:
+        if torch.is_tensor(pe):
+            out["pe"] = take_rows(pe, index, rope_token_axis(pe))
+        elif pe is not None:
             axis = rope_token_axis(pe)
             out["pe"] = tuple(take_rows(t, index, axis) if torch.is_tensor(t) else t for t in pe)
         return out
 
 
+def rope_tables(pe) -> list:
+    """The tensors of an LTX-Video ``pe``: the table itself, or the tensor items of a tuple."""
+    return [pe] if torch.is_tensor(pe) else [t for t in pe if torch.is_tensor(t)]
+
+
 def rope_token_axis(pe) -> int:
-    """The token axis of LTX-Video's RoPE tables (cos, sin[, split]): dim 2 of the per-head (B, heads,
-    N, D/2) tables a true ``split`` marks, else dim 1 of (B, N, D)."""
+    """The token axis of LTX-Video's RoPE tables: dim 2 of one Flux-layout (B, 1, N, D/2, 2, 2) table and
+    of the per-head (B, heads, N, D/2) tables a true ``split`` marks in (cos, sin, split), else dim 1 of
+    (cos, sin), each (B, N, D)."""
+    if torch.is_tensor(pe):
+        return 2
     return 2 if len(pe) > 2 and pe[2] is True else 1
 
 
