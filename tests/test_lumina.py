@@ -4,7 +4,7 @@ layers, one refiner layer each) sampled through ComfyUI's sampler.
 Lumina 2 exists in current ComfyUI (tests/setup_current.sh) and later; Z-Image from ComfyUI v0.3.75 on
 (tests/setup_newest.sh). Latents are Flux latents at small sizes: 16x16 (8x8 tokens), an odd 27x39
 (14x20 tokens, no window of 4 divides it; Z-Image pads them with 8 tokens to a multiple of 32) and a
-non-square 26x38.
+non-square 26x38. HiDream, in the same trees, comes back unpatched with the reason.
 """
 import logging
 
@@ -147,3 +147,9 @@ def test_layers_of_another_signature_come_back_unpatched(pack, built, monkeypatc
 
     monkeypatch.setattr(JointTransformerBlock, "forward", forward)
     dit_checks.check_comes_back_unpatched(pack, built["lumina2"], caplog, "timestep_zero_index")
+
+
+def test_hidream_comes_back_unpatched_with_the_reason(pack, caplog):
+    """HiDream (in the same trees as Lumina 2) is not served: the node says why."""
+    dit_checks.check_comes_back_unpatched(pack, models.build_hidream(seed=43), caplog,
+                                          "HiDream calls its blocks directly")

@@ -497,3 +497,19 @@ def build_hunyuan_video15(seed: int = 0, dtype: torch.dtype = torch.float32, con
     else:
         family, default = comfy.supported_models.HunyuanVideo15, HUNYUAN_VIDEO15_TINY
     return _patcher(_random_dit(family(dict(config or default)), seed, dtype, device))
+
+
+# HiDream-I1 (17B), tiny, for the test that it comes back unpatched: one double-stream and two single-stream
+# blocks, each given its own Llama layer.
+HIDREAM_TINY = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1,
+                "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+                "caption_channels": [32, 32], "text_emb_dim": 32, "num_routed_experts": 4,
+                "num_activated_experts": 2, "axes_dims_rope": [8, 4, 4], "max_resolution": [32, 32],
+                "llama_layers": [0, 1, 2]}
+
+
+def build_hidream(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight HiDream (HIDREAM_TINY unless ``config``)."""
+    import comfy.supported_models
+
+    return _patcher(_random_dit(comfy.supported_models.HiDream(dict(config or HIDREAM_TINY)), seed, dtype, device))
