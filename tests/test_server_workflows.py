@@ -6,8 +6,9 @@ The API files (``*_api.json``, what ``POST /prompt`` takes) are checked input by
 to API format with /object_info's input order, which must give exactly the shipped API twin. Every model
 file a UI file loads comes with a download link, as in ComfyUI's own templates.
 Runs against the pinned tree, and against current ComfyUI when COMFYUI_PATH points at it. The workflows of
-models that only 2025 ComfyUI runs (Wan 2.2, Qwen-Image) are checked against current ComfyUI and skipped,
-with the reason, in a tree without the model (the pinned one).
+models that only 2025 ComfyUI runs (Wan 2.2, Qwen-Image, Z-Image, Flux.2) are checked against a ComfyUI
+that has their nodes (COMFYUI_PATH; Flux.2's need v0.3.75: tests/setup_newest.sh) and skipped, with the
+reason, in a tree without them.
 """
 import copy
 import json
@@ -49,6 +50,10 @@ LATE_MODELS = {
     "wan22_t2v_toma": ("Wan 2.2 (ComfyUI of July 2025 or later)", lambda info: "Wan22ImageToVideoLatent" in info),
     "qwen_image_toma": ("Qwen-Image (ComfyUI of August 2025 or later)",
                         lambda info: "qwen_image" in clip_types(info)),
+    # Z-Image loads through Lumina 2's nodes (2025); the model itself needs ComfyUI v0.3.75 (Nov 2025)
+    "z_image_turbo_toma": ("Z-Image-Turbo (Lumina 2 loaders: ComfyUI of 2025; the model needs v0.3.75)",
+                           lambda info: "lumina2" in clip_types(info)),
+    "flux2_dev_toma": ("FLUX.2 [dev] (ComfyUI v0.3.75, Nov 2025, or later)", lambda info: "EmptyFlux2LatentImage" in info),
 }
 
 
