@@ -127,10 +127,12 @@ class ToMAPatchModel(ModelPatchNode):
     DESCRIPTION = ("ToMA token merging (ICML 2025): in each local window, picks destination tokens by greedy "
                    "facility location, merges the others into them with attention-like weights before "
                    "self-attention and unmerges after it. Faster sampling on SD1.x/SD2.x/SDXL with little "
-                   "change to the image. On Flux (dev, schnell, Kontext), Chroma (and Chroma Radiance) and "
-                   "SD3/SD3.5 it merges the image tokens of all double/single blocks but the first ~25%/~13%; "
-                   "on Qwen-Image and Qwen-Image-Edit those of all blocks but the first ~25%, each Edit "
-                   "reference image by a plan of its own (text tokens never). DiT blocks run whole on merged "
+                   "change to the image. On Flux (dev, schnell, Kontext), Flux.2, Chroma (and Chroma Radiance) "
+                   "and SD3/SD3.5 it merges the image tokens of all double/single blocks but the first "
+                   "~25%/~13%; on Qwen-Image and Qwen-Image-Edit those of all blocks but the first ~25%, each "
+                   "Edit reference image by a plan of its own; on Z-Image and Lumina 2 those of all layers but "
+                   "the first ~13%; on the video models Wan, HunyuanVideo (and HunyuanVideo 1.5) and LTX-Video "
+                   "the video tokens, in windows over frames (text tokens never). DiT blocks run whole on merged "
                    "tokens; the Advanced node's scope can merge only the attention of Flux-style double blocks.")
 
     @classmethod
@@ -163,7 +165,8 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                "tokens, nothing to unmerge. queries (UNets): queries merged, keys and values "
                                "whole. On Flux, Chroma and HunyuanVideo double blocks, attention merges only "
                                "the joint attention (the paper's placement) and block the whole block; their "
-                               "single blocks, and all blocks of SD3, Qwen-Image, Wan and LTX-Video, always "
+                               "single blocks, and all blocks of SD3, Qwen-Image, Wan, LTX-Video, Z-Image and Lumina 2, "
+                               "always "
                                f"run whole on merged image tokens. auto: {placement.UNET_AUTO} on UNets, "
                                f"{placement.DIT_AUTO} on DiTs."}),
                 "levels": (list(unet.LEVEL_CHOICES), {
