@@ -137,29 +137,40 @@ def test_lora_on_a_patched_clone_still_applies(pack, model):
     dit_checks.check_lora_applies(model, toma, sample, key, dit_checks.lora_diff(model, key, seed=5))
 
 
+def spied_block_call(pack, model, layout, batch, vec, pe, text_mask, seed):
+    """A spy in place of an LTX-Video block, called through the block patch with random video tokens
+    (batch, layout.total, C) and text (batch, 9, C), and the given ``vec``, ``pe`` and text mask: (the
+    block's arguments, what the spy saw, the patch's output, the destinations of the plan it built)."""
+    dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
+    C = model.model.diffusion_model.inner_dim
+    g = torch.Generator().manual_seed(seed)
+    args = {"img": torch.randn(batch, layout.total, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
+            "attention_mask": text_mask, "vec": vec, "pe": pe,
+            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+    _, runtime = toma_patched(pack, model)
+    seen = {}
+    out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
+    (plan,) = runtime.plans.values()
+    return args, seen, out, plan.destination_tokens()
+
+
 @pytest.mark.parametrize("per_token", [False, True])
 def test_merged_block_call_gets_destination_rows(pack, model, per_token):
     """A spy in place of the block sees: each merged video token with the RoPE rows (cos and sin) of its
     destination, the first frame's rows (per-token timesteps) and the guide rows untouched, per-token
     modulation rows gathered the same way (a shared one passed as is), the text and its cross-attention
     mask untouched; the patch returns full-length tokens with the block's update on every token."""
-    dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
+    dit = pack.nodes.adapters.dit
     frames, h, w, guide, batch = 3, 3, 4, 12, 2
     lead = h * w if per_token else 0
     layout = dit.ImageLayout(h, w, guide, frames - lead // (h * w), lead)
     N, C = frames * h * w + guide, model.model.diffusion_model.inner_dim
-    g = torch.Generator().manual_seed(6)
     rows = torch.arange(N, dtype=torch.float32)
-    vec = rows.view(1, N, 1).expand(batch, N, 6 * C) if per_token else torch.randn(batch, 1, 6 * C, generator=g)
-    args = {"img": torch.randn(batch, N, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
-            "attention_mask": torch.zeros(batch, 1, 1, 9), "vec": vec,
-            "pe": (rows.view(1, N, 1).expand(batch, N, C), -rows.view(1, N, 1).expand(batch, N, C)),
-            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
-    _, runtime = toma_patched(pack, model)
-    seen = {}
-    out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
-    (plan,) = runtime.plans.values()
-    destinations = plan.destination_tokens()
+    vec = (rows.view(1, N, 1).expand(batch, N, 6 * C) if per_token
+           else torch.randn(batch, 1, 6 * C, generator=torch.Generator().manual_seed(5)))
+    pe = (rows.view(1, N, 1).expand(batch, N, C), -rows.view(1, N, 1).expand(batch, N, C))
+    args, seen, out, destinations = spied_block_call(pack, model, layout, batch, vec, pe,
+                                                     torch.zeros(batch, 1, 1, 9), seed=6)
     n_video, n = layout.tokens, destinations.shape[1]
     assert n < n_video and seen["img"].shape[1] == N - (n_video - n)
     assert seen["txt"] is args["txt"] and seen["attention_mask"] is args["attention_mask"]
@@ -211,7 +222,7 @@ def test_every_rope_layout_gets_destination_rows(pack, model, rope):
     as Flux's (Nov 2025: it used to leave every block unmerged, silently); (cos, sin, split) (2026), with
     per-head (B, heads, N, D/2) tables when split (it used to crash the patch: a bool has no shape).
     Merged tokens get their destinations' rows along the right axis; the flag passes as it is."""
-    dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
+    dit = pack.nodes.adapters.dit
     frames, h, w, batch, heads = 2, 3, 4, 2, 4
     layout = dit.ImageLayout(h, w, frames=frames)
     N, C = frames * h * w, model.model.diffusion_model.inner_dim
@@ -222,15 +233,8 @@ def test_every_rope_layout_gets_destination_rows(pack, model, rope):
                 "cos-sin-split": ((per_head, -per_head, True), 2),
                 "cos-sin-unsplit": ((rows.view(1, N, 1).expand(batch, N, C), -rows.view(1, N, 1).expand(batch, N, C),
                                      False), 1)}[rope]
-    g = torch.Generator().manual_seed(7)
-    args = {"img": torch.randn(batch, N, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
-            "attention_mask": None, "vec": torch.randn(batch, 1, 6 * C, generator=g), "pe": pe,
-            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
-    _, runtime = toma_patched(pack, model)
-    seen = {}
-    out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
-    (plan,) = runtime.plans.values()
-    destinations = plan.destination_tokens()
+    vec = torch.randn(batch, 1, 6 * C, generator=torch.Generator().manual_seed(8))
+    args, seen, out, destinations = spied_block_call(pack, model, layout, batch, vec, pe, None, seed=7)
     assert seen["img"].shape[1] == destinations.shape[1] < N
     tables = [seen["pe"]] if torch.is_tensor(pe) else [t for t in seen["pe"] if torch.is_tensor(t)]
     if not torch.is_tensor(pe):
