@@ -163,20 +163,19 @@ def test_real_1024_latent_with_tiny_width(pack):
 
 
 def test_unsupported_family_is_returned_unpatched_with_a_message(pack, caplog):
-    """A Lumina 2 (NextDiT) model, which no adapter serves, comes back as is, with a log message that
-    names every supported family."""
+    """An AuraFlow model, which no adapter serves, comes back as is, with a log message that names every
+    supported family."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.supported_models
 
-    config = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "n_layers": 1,
-              "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 4, "cap_feat_dim": 32, "axes_dims": [4, 6, 6],
-              "axes_lens": [1, 64, 64], "qk_norm": True}
-    lumina = comfy.supported_models.Lumina2(config)
-    lumina.set_inference_dtype(torch.float32, None)
-    model = comfy.model_patcher.ModelPatcher(lumina.get_model({}), load_device=mm.get_torch_device(),
+    config = {"in_channels": 4, "out_channels": 4, "patch_size": 2, "dim": 64, "n_layers": 2, "n_double_layers": 1,
+              "n_heads": 4, "global_conddim": 64, "cond_seq_dim": 32, "max_seq": 256}
+    aura = comfy.supported_models.AuraFlow(config)
+    aura.set_inference_dtype(torch.float32, None)
+    model = comfy.model_patcher.ModelPatcher(aura.get_model({}), load_device=mm.get_torch_device(),
                                              offload_device=mm.unet_offload_device())
-    dit_checks.check_comes_back_unpatched(pack, model, caplog, "Lumina2 is not supported")
+    dit_checks.check_comes_back_unpatched(pack, model, caplog, "AuraFlow is not supported")
     families = [adapter.FAMILY for adapter in pack.nodes.adapters.ADAPTERS]
     assert "Qwen-Image" in families
     assert all(family in caplog.text for family in families)
