@@ -139,14 +139,48 @@ def test_captions_of_different_lengths_run_unmerged_and_say_so(pack, built, capl
 
 
 def test_layers_of_another_signature_come_back_unpatched(pack, built, monkeypatch, caplog):
-    """A NextDiT whose layers take other parameters (a later ComfyUI) is left alone, with the reason."""
+    """A NextDiT whose layers must be given something ToMA does not pass on is left alone, with the reason."""
     from comfy.ldm.lumina.model import JointTransformerBlock
 
-    def forward(self, x, x_mask, freqs_cis, adaln_input=None, timestep_zero_index=None, transformer_options={}):
+    def forward(self, x, x_mask, freqs_cis, adaln_input, timestep_zero_index, transformer_options={}):
         raise AssertionError("never called")
 
     monkeypatch.setattr(JointTransformerBlock, "forward", forward)
     dit_checks.check_comes_back_unpatched(pack, built["lumina2"], caplog, "timestep_zero_index")
+
+
+def test_layers_with_a_newer_optional_parameter_merge_and_pass_it_on(pack, built, monkeypatch, caplog):
+    """ComfyUI of 2026 gives NextDiT's layers an optional ``timestep_zero_index`` (per-token modulation for
+    Z-Image's reference images): ToMA patches them all the same, passes it on, merges the calls that
+    leave it None (every token a destination: the unpatched output) and runs a call that sets it
+    unmerged, saying so."""
+    from comfy.ldm.lumina.model import JointTransformerBlock
+
+    lumina, dit = pack.nodes.adapters.lumina, pack.nodes.adapters.dit
+    current, passed = JointTransformerBlock.forward, []
+
+    def forward(self, x, x_mask, freqs_cis, adaln_input=None, timestep_zero_index=None, transformer_options=None):
+        passed.append(timestep_zero_index)
+        return current(self, x, x_mask, freqs_cis, adaln_input, transformer_options=transformer_options)
+
+    monkeypatch.setattr(JointTransformerBlock, "forward", forward)
+    model = models.build_nextdit(models.LUMINA2_TINY, seed=41)
+    patched, runtime = dit_checks.toma_patched(pack, model, ratio=0.1, window=2)
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, "lumina2"))
+    assert list(runtime.summary()["levels"]) == ["joint 14x20"]
+
+    layer = model.model.diffusion_model.layers[1]
+    x = torch.randn(1, 23 + 280, layer.dim, generator=torch.Generator().manual_seed(3))
+    options = {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: dit.ImageLayout(14, 20)}
+    pe = torch.zeros(1, 23 + 280, 1, layer.dim // layer.attention.n_local_heads // 2, 2, 2)
+    adaln = torch.zeros(1, min(layer.dim, 1024))
+    runtime.plans.clear()
+    with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
+        out = patched.object_patches["diffusion_model.layers.1.forward"](
+            x, None, pe, adaln, timestep_zero_index=[(0, 23)], transformer_options=options)
+    assert out.shape == x.shape and not runtime.plans and passed[-1] == [(0, 23)]
+    assert "layers given timestep_zero_index, which ToMA does not merge, run unmerged" in caplog.text
+    assert lumina.layer_parameters_fit(forward)
 
 
 def test_hidream_comes_back_unpatched_with_the_reason(pack, caplog):

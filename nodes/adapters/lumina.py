@@ -5,8 +5,10 @@ text never merges.
 Interception: NextDiT calls its layers directly, with no "dit" block-replace hook, so each main layer's
 ``forward`` is object-patched through the ModelPatcher (as the UNet blocks are, nodes/adapters/unet.py):
 the patch merges, runs the layer's own forward on the shorter sequence and unmerges its update
-(``DiTPatch.merged_call``, nodes/adapters/dit.py). A layer whose forward takes other parameters than
-the ones passed on here is another NextDiT: the model comes back unpatched, with a log message.
+(``DiTPatch.merged_call``, nodes/adapters/dit.py). Parameters a newer NextDiT adds after the four
+positional ones (ComfyUI of 2026: ``timestep_zero_index``, per-token modulation for Z-Image's reference
+images) are passed on, and a call that sets one runs unmerged, with a log message; a layer whose forward
+takes its inputs otherwise is another NextDiT: the model comes back unpatched, with a log message.
 Stacked, the token merge node nearer the sampler patches each layer in place of an earlier one's patch.
 
 Layout: a main layer sees [caption, image, padding] (B, L, C): the refined caption tokens (Z-Image pads
@@ -40,8 +42,9 @@ log = logging.getLogger("ComfyUI-ToMA")
 
 FAMILY = "Lumina 2 / Z-Image"
 PE_TOKEN_AXIS = 1
-# What NextDiT passes its main layers, in order: the patched forward passes the same on.
-LAYER_PARAMETERS = ("x", "x_mask", "freqs_cis", "adaln_input", "transformer_options")
+# What NextDiT passes its main layers first, in order, and by name: the patched forward passes them on.
+LAYER_PARAMETERS = ("x", "x_mask", "freqs_cis", "adaln_input")
+OPTIONS_PARAMETER = "transformer_options"
 
 
 def supports(model) -> bool:
@@ -84,15 +87,19 @@ class NextDiTPatch(DiTPatch):
         padding] with the image grid merged; a call the layout does not account for runs unpatched."""
         patch = self
 
-        def forward(layer, x, x_mask=None, freqs_cis=None, adaln_input=None, transformer_options={}):
-            layout = transformer_options.get(LAYOUT_KEY)
-            txt_len = -1 if layout is None else x.shape[1] - layout.total
-            if txt_len < 0 or not patch.fits(x_mask, freqs_cis, txt_len + layout.total):
-                return original(x, x_mask, freqs_cis, adaln_input, transformer_options=transformer_options)
-
+        def forward(layer, x, x_mask=None, freqs_cis=None, adaln_input=None, transformer_options={}, **newer):
             def run(args):
                 return {"img": original(args["img"], args["attn_mask"], args["pe"], adaln_input,
-                                        transformer_options=transformer_options)}
+                                        transformer_options=transformer_options, **newer)}
+
+            layout = (transformer_options or {}).get(LAYOUT_KEY)
+            txt_len = -1 if layout is None else x.shape[1] - layout.total
+            given = sorted(name for name, value in newer.items() if value is not None)
+            if given:
+                patch.runtime.notice("%s: layers given %s, which ToMA does not merge, run unmerged", FAMILY,
+                                     ", ".join(given))
+            if given or txt_len < 0 or not patch.fits(x_mask, freqs_cis, txt_len + layout.total):
+                return run({"img": x, "attn_mask": x_mask, "pe": freqs_cis})["img"]
 
             args = {"img": x, "attn_mask": x_mask, "pe": freqs_cis, "transformer_options": transformer_options}
             return patch.merged_call("joint", args, run, txt_len, txt_len, layout)["img"]
@@ -114,16 +121,31 @@ class NextDiTPatch(DiTPatch):
                 "attn_mask": take_sequence(mask, index, -1, txt_len + layout.total)}
 
 
+def layer_parameters_fit(forward) -> bool:
+    """Whether a NextDiT layer ``forward`` (unbound) takes LAYER_PARAMETERS first and
+    ``transformer_options`` by name, and nothing else it must be given."""
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    if tuple(p.name for p in parameters[:len(LAYER_PARAMETERS)]) != LAYER_PARAMETERS:
+        return False
+    rest = parameters[len(LAYER_PARAMETERS):]
+    return (any(p.name == OPTIONS_PARAMETER for p in rest)
+            and all(p.kind is inspect.Parameter.VAR_KEYWORD
+                    or (p.default is not inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_POSITIONAL)
+                    for p in rest))
+
+
 def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: NextDiT has one token grid);
     ``model`` itself, unpatched with a message, where its layers are not the NextDiT layers this adapter
     knows or the host cannot serve it."""
     dm = model.model.diffusion_model
     name = type(model.model).__name__
-    parameters = tuple(inspect.signature(type(dm.layers[0]).forward).parameters)[1:]
-    if parameters != LAYER_PARAMETERS:
-        log.warning("ToMA: the layers of this %s (%s) take (%s), not the (%s) ToMA passes on; returned "
-                    "unpatched", name, FAMILY, ", ".join(parameters), ", ".join(LAYER_PARAMETERS))
+    forward = type(dm.layers[0]).forward
+    if not layer_parameters_fit(forward):
+        log.warning("ToMA: the layers of this %s (%s) take (%s), not (%s, then %s and optional ones) as ToMA "
+                    "passes them on; returned unpatched", name, FAMILY,
+                    ", ".join(tuple(inspect.signature(forward).parameters)[1:]), ", ".join(LAYER_PARAMETERS),
+                    OPTIONS_PARAMETER)
         return model
     stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model,
                            functools.partial(NextDiTLayoutStash, runtime=runtime))
