@@ -274,7 +274,18 @@ def build_hunyuan_video(seed: int = 0, dtype: torch.dtype = torch.float32, confi
     import comfy.supported_models
 
     family = comfy.supported_models.HunyuanImage21 if image else comfy.supported_models.HunyuanVideo
-    return _patcher(_random_dit(family(dict(config or HUNYUAN_VIDEO_TINY)), seed, dtype, device))
+    return _patcher(_random_dit(family(hunyuan_video_params(config or HUNYUAN_VIDEO_TINY)), seed, dtype, device))
+
+
+def hunyuan_video_params(config: dict) -> dict:
+    """``config`` with the HunyuanVideo 1.5 fields (a text-type embedding, SigLIP tokens) off, where this
+    ComfyUI's HunyuanVideoParams has them (v0.3.75 on: it requires them) and ``config`` leaves them out."""
+    import dataclasses
+
+    from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
+
+    fields = {f.name for f in dataclasses.fields(HunyuanVideoParams)}
+    return {**{k: v for k, v in HUNYUAN_VIDEO15_OFF.items() if k in fields}, **config}
 
 
 def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
@@ -465,6 +476,8 @@ FLUX2_FULL = {
 # Tiny, for tests: both block groups present (1 of 2 double, 3 of 3 single blocks merge).
 FLUX2_TINY = dict(FLUX2_FULL, context_in_dim=64, hidden_size=64, num_heads=4, depth=2, depth_single_blocks=3,
                   axes_dim=[4, 4, 4, 4])
+# What HunyuanVideo 1.0 sets in ComfyUI v0.3.75 for the fields HunyuanVideo 1.5 added.
+HUNYUAN_VIDEO15_OFF = {"use_cond_type_embedding": False, "vision_in_dim": None}
 # HunyuanVideo 1.5 (8.3B): 32-channel latents (VAE stride 4 x 16 x 16) with image and mask channels concatenated
 # (32 + 32 + 1), patch 1 x 1 x 1, Qwen2.5-VL text (3584), SigLIP vision tokens (1152) before the text.
 HUNYUAN_VIDEO15_FULL = dict(HUNYUAN_VIDEO_FULL, in_channels=65, out_channels=32, vec_in_dim=None,
