@@ -165,9 +165,9 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                "tokens, nothing to unmerge. queries (UNets): queries merged, keys and values "
                                "whole. On Flux, Chroma and HunyuanVideo double blocks, attention merges only "
                                "the joint attention (the paper's placement) and block the whole block; their "
-                               "single blocks, and all blocks of SD3, Qwen-Image, Wan, LTX-Video, Z-Image and Lumina 2, "
-                               "always "
-                               f"run whole on merged image tokens. auto: {placement.UNET_AUTO} on UNets, "
+                               "single blocks, and all blocks of SD3, Qwen-Image, Wan, LTX-Video, Z-Image and "
+                               "Lumina 2, always run whole on merged image tokens. auto: "
+                               f"{placement.UNET_AUTO} on UNets, "
                                f"{placement.DIT_AUTO} on DiTs."}),
                 "levels": (list(unet.LEVEL_CHOICES), {
                     "default": "auto",

@@ -34,6 +34,7 @@ import types
 
 import torch
 
+from .. import placement
 from ..host import install_run_hooks, original_attr
 from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, cannot_patch,
                   joint_index, layout_wrapper, patched_side, take_rows, take_sequence)
@@ -138,6 +139,7 @@ def patch(model, runtime, levels=None, scope=None):
     """The patched clone (``levels`` and ``scope`` are UNet notions: NextDiT has one token grid);
     ``model`` itself, unpatched with a message, where its layers are not the NextDiT layers this adapter
     knows or the host cannot serve it."""
+    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
     dm = model.model.diffusion_model
     name = type(model.model).__name__
     forward = type(dm.layers[0]).forward
