@@ -2,8 +2,9 @@
 (nodes/adapters/dit.py says how), skipping the first 16, the fraction Flux skips (nothing specific to
 Qwen-Image argued for another). Text tokens are never merged.
 
-Positions: Qwen-Image's RoPE table ``pe`` is (B, L, 1, head_dim/2, 2, 2), its tokens along dim 1 (Flux's
-along dim 2), in the order [txt, image, references] of the joint attention.
+Positions: Qwen-Image's RoPE table ``pe`` is (B, L, 1, head_dim/2, 2, 2), its tokens along dim 1, in the
+order [txt, image, references] of the joint attention; from ComfyUI v0.3.75 (Nov 2025) on it is Flux's
+(B, 1, L, head_dim/2, 2, 2), tokens along dim 2. Each call's table says which.
 
 Token grid: the DIFFUSION_MODEL executor runs around ``_forward``, which sees the latent (B, 16, 1, H, W)
 and Qwen-Image-Edit's reference latents; a side of H latent pixels gives ceil(H / 2) tokens.
@@ -25,11 +26,27 @@ measured 1.73% and 1.72%, against 1.75% with the references whole. Merging only 
 0.19% at the same token counts) did better still, but ToMA has one ratio. These are random weights: a
 trained edit model that copies detail from its reference may depend more on the reference tokens.
 """
+import torch
+
 from .. import placement
 from .dit import SKIP_FRACTION, BlockGroup, DiTPatch, layout_wrapper, patch_blocks
 
 FAMILY = "Qwen-Image"
-PE_TOKEN_AXIS = 1
+PE_TOKEN_AXIS = 1  # until Oct 2025; Flux's axis 2 after
+
+
+class QwenImagePatch(DiTPatch):
+    """Double-block patches that read the RoPE table's token axis from each call (see Positions)."""
+
+    def __init__(self, runtime):
+        super().__init__(runtime, PE_TOKEN_AXIS, merge_references=True)
+        self.flux_layout = DiTPatch(runtime, merge_references=True)  # the same runtime: the same plans
+
+    def double_block(self, args: dict, extras: dict) -> dict:
+        pe = args.get("pe")
+        if torch.is_tensor(pe) and pe.dim() > 2 and pe.shape[1] == 1 and pe.shape[2] > 1:
+            return self.flux_layout.double_block(args, extras)
+        return super().double_block(args, extras)
 
 
 def supports(model) -> bool:
@@ -46,6 +63,6 @@ def patch(model, runtime, levels=None, scope=None):
     placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
     dm = model.model.diffusion_model
     groups = [BlockGroup("double_block", "double", len(dm.transformer_blocks),
-                         DiTPatch(runtime, PE_TOKEN_AXIS, merge_references=True).double_block, SKIP_FRACTION["double"])]
+                         QwenImagePatch(runtime).double_block, SKIP_FRACTION["double"])]
     stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model)
     return patch_blocks(model, runtime, FAMILY, groups, stash)
