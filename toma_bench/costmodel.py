@@ -72,6 +72,12 @@ def _sd3_conditioning():
     return cond(), cond()
 
 
+def _text(dim: int, tokens: int, **options):
+    """Seeded text features of ``dim`` x ``tokens`` with ``options`` (and an all-ones attention mask)."""
+    return lambda: models.text_conditioning(dim, 1, tokens, SEED,
+                                            attention_mask=torch.ones(1, tokens, dtype=torch.long), **options)
+
+
 SPECS = {s.name: s for s in (
     Spec("sd15", "SD1.5 512x512, CFG batch 2, 77 text tokens", "SD15", models.SD15_FULL, (1, 4, 64, 64),
          lambda: models.conditioning("sd15", 1, 77, SEED), cfg=7.0, unet=True),
@@ -91,6 +97,14 @@ SPECS = {s.name: s for s in (
          WAN_14B, (1, 16, 21, 60, 104), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
     Spec("wan_720p", "Wan 2.1 14B 1280x720 x 81 frames (75,600 video + 512 text tokens), CFG 5",
          "WAN21_T2V", WAN_14B, (1, 16, 21, 90, 160), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
+    # the 2026 families (ComfyUI v0.3.75 and later); Z-Image-Turbo samples in 8 steps without CFG
+    Spec("z_image_turbo", "Z-Image-Turbo 1024x1024 (4096 image + 128 text tokens), 8 steps, CFG 1", "ZImage",
+         models.Z_IMAGE_FULL, (1, 16, 128, 128), _text(2560, 128), steps=8, cfg=1.0),
+    Spec("flux2", "FLUX.2 [dev] 1024x1024 (4096 image + 512 text tokens), CFG 1 (guidance 4)", "Flux2",
+         models.FLUX2_FULL, (1, 128, 64, 64), _text(15360, 512, guidance=4.0, pooled_output=None), cfg=1.0),
+    Spec("hunyuan_video15", "HunyuanVideo 1.5 720p x 121 frames (111,600 video + 256 text tokens), CFG 6",
+         "HunyuanVideo15", models.HUNYUAN_VIDEO15_FULL, (1, 32, 31, 45, 80), _text(3584, 256, pooled_output=None),
+         cfg=6.0),
 )}
 UNET_MODELS = ("sd15", "sdxl")
 
