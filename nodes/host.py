@@ -10,6 +10,7 @@
   stopped at), and rise inside one run (ancestral and second-order solvers).
 """
 import sys
+import weakref
 
 import torch
 
@@ -59,11 +60,15 @@ def install_run_hooks(m, runtime) -> None:
         return
     extra_conds = original_attr(m, "extra_conds")
     base_model = m.model
+    # object patches stay applied to the BaseModel after the MODEL is dropped: they must not keep the
+    # runtime alive (the adapter holds it on the MODEL, see runtime.hold)
+    owner = weakref.ref(runtime)
 
     def begin_run_then_extra_conds(**kwargs):
-        if "latent_image" in kwargs:  # PerpNeg also encodes a cond in every step, without latent_image
+        run = owner()
+        if run is not None and "latent_image" in kwargs:  # PerpNeg also encodes a cond in every step, without latent_image
             # object patches (a model sampling node's too) are applied while the model samples
-            runtime.begin_run(schedule_of_caller(), base_model.model_sampling)
+            run.begin_run(schedule_of_caller(), base_model.model_sampling)
         return extra_conds(**kwargs)
 
     m.add_object_patch("extra_conds", begin_run_then_extra_conds)
@@ -71,7 +76,9 @@ def install_run_hooks(m, runtime) -> None:
 
     def process_latent_out_then_end_run(latent):
         out = process_latent_out(latent)
-        runtime.end_run()
+        run = owner()
+        if run is not None:
+            run.end_run()
         return out
 
     m.add_object_patch("process_latent_out", process_latent_out_then_end_run)

@@ -255,6 +255,19 @@ RUNTIMES: "weakref.WeakValueDictionary[str, MergeRuntime]" = weakref.WeakValueDi
 STACK_KEY = "comfyui_toma_stack"  # ids of every token merge node's runtime on this MODEL, in patch order
 
 
+OWNERS_KEY = "comfyui_toma_owners"  # what the MODEL's object patches reach only weakly, held by the MODEL
+
+
+def hold(model, owner) -> None:
+    """Keep ``owner`` (an adapter's patch state, and through it the runtime) alive exactly as long as
+    ``model`` or a clone of it. Object patches stay applied to the shared BaseModel after sampling (even
+    after the patched MODEL is gone, until another clone loads), so they reach their owner through a weak
+    reference, and the MODEL's ``model_options`` hold it instead (clones share it: owners return
+    themselves from ``__deepcopy__``)."""
+    options = model.model_options.setdefault("transformer_options", {})
+    options[OWNERS_KEY] = list(options.get(OWNERS_KEY, ())) + [owner]
+
+
 def attach_runtime(model, runtime) -> str:
     """Register ``runtime`` and write its id into the patched ``model``'s transformer_options."""
     runtime_id = f"{runtime.name}-{uuid.uuid4().hex}"

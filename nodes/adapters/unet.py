@@ -12,9 +12,10 @@ Object patches of a module's ``forward`` leave the module itself untouched, so L
 import logging
 import math
 import types
+import weakref
 
 from ..host import install_run_hooks, original_attr
-from ..runtime import MergeRuntime
+from ..runtime import MergeRuntime, hold
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -157,10 +158,13 @@ class UNetPatch:
         return n, context_attn1, value_attn1
 
     def attention_forward(self, original):
-        patch = self
+        owner = weakref.ref(self)  # object patches outlive the MODEL on the BaseModel: see runtime.hold
 
         def forward(attention, x, context=None, value=None, mask=None, **kwargs):
-            call, patch.current = patch.current, None
+            patch = owner()
+            call = None
+            if patch is not None:
+                call, patch.current = patch.current, None
             plan = None if call is None or mask is not None else patch.plan_for(x, lambda: x, *call)
             if plan is None:
                 return original(x, context=context, value=value, mask=mask, **kwargs)
@@ -174,10 +178,11 @@ class UNetPatch:
 
     # scope "block" -----------------------------------------------------------------------------
     def block_forward(self, original):
-        patch = self
+        owner = weakref.ref(self)  # object patches outlive the MODEL on the BaseModel: see runtime.hold
 
         def forward(block, x, context=None, transformer_options={}):
-            if patch.steps_aside(transformer_options):
+            patch = owner()
+            if patch is None or patch.steps_aside(transformer_options):
                 return original(x, context=context, transformer_options=transformer_options)
             plan = patch.plan_for(x, lambda: block.norm1(x), transformer_options, tuple(x.shape[:2]))
             if plan is None:
@@ -224,6 +229,7 @@ def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
                     runtime.name, ", ".join(map(str, available)), ", ".join(map(str, sorted(levels))))
     patch = UNetPatch(runtime, levels)
     m = model.clone()
+    hold(m, patch)
     if scope == "attention":
         patches = m.model_options.setdefault("transformer_options", {}).setdefault("patches", {})
         patches["attn1_patch"] = [patch.observe] + patches.get("attn1_patch", [])  # first: sees the block's tokens
