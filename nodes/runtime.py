@@ -43,6 +43,14 @@ def progress_of_sigma(model_sampling, sigma: float) -> float:
     return 0.5 * (lo + hi)
 
 
+def grid_in_words(grid) -> str:
+    """(h, w) or (frames, h, w) -> "a 1x1 token grid (1 token)", "a 3-frame 4x4 token grid (48 tokens)"."""
+    *frames, h, w = grid
+    tokens = math.prod(grid)
+    depth = f"{frames[0]}-frame " if frames else ""
+    return f"a {depth}{h}x{w} token grid ({tokens} token{'s' if tokens != 1 else ''})"
+
+
 def batch_key(x, transformer_options):
     """The batch layout of a block call, part of every plan key: plans are never shared between calls
     with other rows (cond and uncond batched together, or split when memory is short)."""
@@ -197,9 +205,11 @@ class MergeRuntime:
                 given = None if cached is None or decision.new_destinations else getattr(cached, "destinations", None)
                 feats = features()
                 plan = self.strategy.build(feats, grid, self.generator(feats.device), given)
-            except Exception as e:  # never crash mid-sampling: run this block unmerged from now on
-                log.warning("ToMA: merging disabled for %s (%s: %s)", key, type(e).__name__, e)
+            except Exception:  # never crash mid-sampling: run this block unmerged from now on
                 self.failed.add(key)
+                self.notice("%s leaves %s unmerged: it could not build a merge plan for %s (the error is in "
+                            "the debug log)", self.name, level, grid_in_words(grid))
+                log.debug("ToMA: %s could not build a plan for %s", self.name, level, exc_info=True)
                 return None
             self.stage_clock.stop("select", start)
             self.plans[key] = plan
