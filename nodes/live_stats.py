@@ -78,7 +78,8 @@ def stats_lines(summary: dict) -> list[str]:
     levels = sorted(summary["levels"].items(), key=lambda item: -item[1]["tokens"])  # as the merge map counts
     lines = [f"{name}: {v['tokens']} → {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
     if not lines:
-        lines = ["no step merged (no matching level or outside start/end percent)"]
+        lines = [f"nothing merges: {why}" for why in summary.get("nothing_merges", ())] or \
+                ["no step merged (no matching level or outside start/end percent)"]
     wall = summary.get("wall_seconds")
     if wall:
         shares = " · ".join(f"{kind} {100 * s / wall:.1f}%" for kind, s in summary["seconds"].items())

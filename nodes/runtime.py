@@ -77,6 +77,7 @@ class MergeRuntime:
         self.generators: dict = {}  # device -> the run's generator, advanced by every plan built
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
+        self.idle: set[str] = set()  # why this run merges nothing (strategy.merges_nothing), for the stats
         self.stage_clock = StageClock(("select", "merge", "unmerge"))
         self.records: dict[str, list] = {}  # level name -> PlanRecords of this run, in step order
         self.run_started = None
@@ -110,6 +111,7 @@ class MergeRuntime:
         self.generators.clear()
         self.failed.clear()
         self.levels.clear()
+        self.idle.clear()
         self.records.clear()
         self.stage_clock.reset()
         self.strategy.schedule.reset()
@@ -194,6 +196,11 @@ class MergeRuntime:
         if where is None:
             return None
         step, progress, total = where
+        idle = self.strategy.merges_nothing(grid)
+        if idle is not None:
+            self.notice("%s merges nothing: %s", self.name, idle)
+            self.idle.add(idle)
+            return None
         decision = self.strategy.schedule.decide(step, progress, key, total)
         if not decision.merge:
             return None
@@ -248,6 +255,7 @@ class MergeRuntime:
             "method": self.name,
             "levels": {k: {"tokens": v.tokens, "merged_tokens": v.merged_tokens, "steps": len(v.steps),
                            **v.details} for k, v in sorted(self.levels.items())},
+            "nothing_merges": sorted(self.idle),
             "seconds": self.stage_clock.seconds(),
             "clock": self.stage_clock.kind,
             "wall_seconds": wall,
