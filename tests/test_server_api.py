@@ -82,6 +82,10 @@ def test_api_workflow_runs_with_progress_and_saves_an_image(client):
     saved = [image for output in history["outputs"].values() for image in output.get("images", [])]
     assert len(saved) == 1 and saved[0]["filename"].startswith("toma_")
     assert png(client, saved[0]).shape == (HEIGHT, WIDTH, 3)  # the latent's size x8
+    # the live stats carry the prompt's id, so this client (which groups messages by prompt) keeps them
+    patch_node = next(i for i, node in graph.items() if node["class_type"] == "ToMAPatchModel")
+    stats = [data for _, kind, data in run.messages if kind == "comfyui_toma.stats"]
+    assert [(data["node"], data["prompt_id"]) for data in stats] == [(patch_node, prompt_id)]
 
 
 def test_comparison_workflow_saves_three_distinct_images(client):
