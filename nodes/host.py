@@ -48,6 +48,23 @@ def schedule_of_caller(max_depth: int = 8) -> list[float] | None:
     return None
 
 
+def block_patches_of_caller(max_depth: int = 16) -> dict | None:
+    """The patches (``attn1_patch`` lists, ...) of the transformer block call that is calling, read from
+    the frame of ComfyUI's ``BasicTransformerBlock`` forward (``transformer_patches``, in both trees): the
+    block hands them to no patch, and they tell which node changed the tokens before the self-attention.
+    None when no such frame is found."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__") == "comfy.ldm.modules.attention" and \
+                "transformer_patches" in frame.f_code.co_varnames:
+            patches = frame.f_locals.get("transformer_patches")
+            return patches if isinstance(patches, dict) else None
+        frame = frame.f_back
+    return None
+
+
 def install_run_hooks(m, runtime) -> None:
     """``runtime.begin_run`` at the start of every sampling run of the patched clone ``m`` (with the
     run's sigmas and the sampled model's noise schedule), ``runtime.end_run`` at its end."""

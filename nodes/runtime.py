@@ -78,6 +78,7 @@ class MergeRuntime:
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
         self.idle: set[str] = set()  # why this run merges nothing (strategy.merges_nothing), for the stats
+        self.left_to: dict[str, str] = {}  # level -> the other node that changed its tokens first (leave)
         self.stage_clock = StageClock(("select", "merge", "unmerge"))
         self.records: dict[str, list] = {}  # level name -> PlanRecords of this run, in step order
         self.run_started = None
@@ -112,6 +113,7 @@ class MergeRuntime:
         self.failed.clear()
         self.levels.clear()
         self.idle.clear()
+        self.left_to.clear()
         self.records.clear()
         self.stage_clock.reset()
         self.strategy.schedule.reset()
@@ -227,6 +229,14 @@ class MergeRuntime:
         stats.details = details
         return plan
 
+    def leave(self, level: str, transformer_options, taker) -> str:
+        """Note that another node took ``level`` in this model call, for the run's stats; ``taker()``
+        names that node, asked once per level and run. The name."""
+        self.locate(transformer_options)  # the run reports even if no level of it merged
+        if level not in self.left_to:
+            self.left_to[level] = taker()
+        return self.left_to[level]
+
     def generator(self, device) -> torch.Generator:
         """The run's generator on ``device``, seeded with the strategy's seed at the run's first build."""
         if device not in self.generators:
@@ -256,6 +266,7 @@ class MergeRuntime:
             "levels": {k: {"tokens": v.tokens, "merged_tokens": v.merged_tokens, "steps": len(v.steps),
                            **v.details} for k, v in sorted(self.levels.items())},
             "nothing_merges": sorted(self.idle),
+            "left_to": dict(sorted(self.left_to.items())),
             "seconds": self.stage_clock.seconds(),
             "clock": self.stage_clock.kind,
             "wall_seconds": wall,

@@ -14,7 +14,7 @@ import math
 import types
 import weakref
 
-from ..host import install_run_hooks, original_attr
+from ..host import block_patches_of_caller, install_run_hooks, original_attr
 from ..runtime import MergeRuntime, hold
 
 log = logging.getLogger("ComfyUI-ToMA")
@@ -137,14 +137,28 @@ class UNetPatch:
         h, w, ds = grid
         level = level_name(grid)
         if tuple(x.shape[:2]) != tuple(arrived):
-            self.runtime.notice("%s leaves level %s unmerged: another node's attention patch changed its "
-                                "tokens first (%d tokens in batch %d instead of %d in batch %d; HyperTile, "
-                                "ToMe or a token-merge node nearer the sampler)", self.runtime.name, level,
+            taker = self.runtime.leave(level, transformer_options, lambda: self.token_changer(level))
+            self.runtime.notice("%s leaves level %s unmerged: %s changed its tokens first (%d tokens in batch "
+                                "%d instead of %d in batch %d)", self.runtime.name, level, taker,
                                 x.shape[1], x.shape[0], arrived[1], arrived[0])
             return None
         block = (tuple(transformer_options.get("block") or ()), transformer_options.get("block_index", 0))
         return self.runtime.plan(("level", ds), block, (h, w), x, features, transformer_options, level,
                                  downsample=ds)
+
+    def token_changer(self, level: str) -> str:
+        """Which node changed this block's tokens before its self-attention, in words: the other nodes'
+        attn1 patches of this block call (HyperTile, ComfyUI's ToMe, ...), else a node of this pack nearer
+        the sampler that merged the level (it merges inside the attention, before this node's merge)."""
+        attn1 = (block_patches_of_caller() or {}).get("attn1_patch") or []
+        others = [fn for fn in attn1 if not isinstance(getattr(fn, "__self__", None), UNetPatch)]
+        if others:
+            return " and ".join(dict.fromkeys(patch_node_name(fn) for fn in others))
+        nearer = [fn.__self__.runtime.name for fn in attn1 if isinstance(getattr(fn, "__self__", None), UNetPatch)
+                  and fn.__self__ is not self and level in fn.__self__.runtime.levels]
+        if nearer:
+            return f"the {nearer[0]} node nearer the sampler"
+        return "another node's attention patch"
 
     # scope "attention" -------------------------------------------------------------------------
     def observe(self, n, context_attn1, value_attn1, extra_options):
@@ -206,6 +220,14 @@ class UNetPatch:
                             " and ".join([f"{name} patches" for name in lists] +
                                          [f"an {name} replacement" for name in replaced]))
         return True
+
+
+def patch_node_name(fn) -> str:
+    """The node an attention patch function comes from: nodes define their patch functions inside their
+    own methods ("HyperTile.patch.<locals>.hypertile_in", "TomePatchModel.execute.<locals>.tomesd_m"),
+    so the first part of its qualified name is the node's class name; else that name as it is."""
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return qualname.split(".")[0] if ".<locals>." in qualname else qualname
 
 
 FAMILY = "SD1.x/SD2.x/SDXL UNet"
