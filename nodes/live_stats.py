@@ -78,7 +78,7 @@ def stats_lines(summary: dict) -> list[str]:
     of the sampling wall time spent selecting destinations, merging and unmerging (device time from CUDA
     events on CUDA, host time elsewhere: the summary's ``clock``)."""
     levels = sorted(summary["levels"].items(), key=lambda item: -item[1]["tokens"])  # as the merge map counts
-    lines = [f"{name}: {v['tokens']} → {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
+    lines = [f"{name}: {v['tokens']} -> {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
     lines += [f"{name}: left to {node}, which changed its tokens first"
               for name, node in summary.get("left_to", {}).items()]
     if not lines:

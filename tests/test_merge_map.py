@@ -198,8 +198,8 @@ def test_merge_map_node_shows_recorded_plans_of_non_square_run(pack, mm, unet, s
     assert len(sent) == 1
     event, data, sid = sent[0]
     assert (event, data["node"], data["prompt_id"], sid) == ("comfyui_toma.stats", "12", "prompt-1", "client-1")
-    assert data["lines"][0] == f"24x16 (1/1): 384 → 192 tokens, {STEPS} steps merged"
-    assert data["lines"][1] == f"12x8 (1/2): 96 → 48 tokens, {STEPS} steps merged"
+    assert data["lines"][0] == f"24x16 (1/1): 384 -> 192 tokens, {STEPS} steps merged"
+    assert data["lines"][1] == f"12x8 (1/2): 96 -> 48 tokens, {STEPS} steps merged"
     assert data["lines"][2].startswith("select ") and data["lines"][2].endswith(" s sampling")
     assert data["text"] == "\n".join(data["lines"])
 

@@ -102,6 +102,19 @@ def test_comparison_workflow_saves_three_distinct_images(client):
     assert not np.array_equal(images["tomesd"], images["unpatched"])
 
 
+def test_methods_comparison_workflow_saves_each_method_and_its_merge_map(client):
+    graph = small(server.load_workflow("sd15_compare_methods_api.json"), seed=8)
+
+    run = client.run(graph)
+
+    images = {image["filename"].rsplit("_", 2)[0]: png(client, image) for image in run.images()}
+    assert sorted(images) == ["catome", "catome_merge_map", "toma", "toma_merge_map", "tomesd", "tomesd_merge_map",
+                              "unpatched"]
+    assert all(image.shape == (HEIGHT, WIDTH, 3) for image in images.values())
+    assert not np.array_equal(images["toma"], images["unpatched"])
+    assert not np.array_equal(images["toma_merge_map"], images["tomesd_merge_map"])
+
+
 @pytest.mark.parametrize("name, value", [("ratio", 5), ("window_size", 0)])
 def test_bad_value_is_refused_naming_the_input_and_server_keeps_serving(client, name, value):
     graph = small(server.load_workflow("sd15_toma_api.json"), seed=100 + value)

@@ -120,7 +120,7 @@ class NoDiffusionModel(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
+        self.weight = torch.nn.Parameter(torch.zeros(4, 4))
 
 
 @pytest.fixture(scope="module")
