@@ -10,6 +10,7 @@
   stopped at), and rise inside one run (ancestral and second-order solvers).
 """
 import sys
+import weakref
 
 import torch
 
@@ -47,6 +48,23 @@ def schedule_of_caller(max_depth: int = 8) -> list[float] | None:
     return None
 
 
+def block_patches_of_caller(max_depth: int = 16) -> dict | None:
+    """The patches (``attn1_patch`` lists, ...) of the transformer block call that is calling, read from
+    the frame of ComfyUI's ``BasicTransformerBlock`` forward (``transformer_patches``, in both trees): the
+    block hands them to no patch, and they tell which node changed the tokens before the self-attention.
+    None when no such frame is found."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__") == "comfy.ldm.modules.attention" and \
+                "transformer_patches" in frame.f_code.co_varnames:
+            patches = frame.f_locals.get("transformer_patches")
+            return patches if isinstance(patches, dict) else None
+        frame = frame.f_back
+    return None
+
+
 def install_run_hooks(m, runtime) -> None:
     """``runtime.begin_run`` at the start of every sampling run of the patched clone ``m`` (with the
     run's sigmas and the sampled model's noise schedule), ``runtime.end_run`` at its end."""
@@ -59,11 +77,15 @@ def install_run_hooks(m, runtime) -> None:
         return
     extra_conds = original_attr(m, "extra_conds")
     base_model = m.model
+    # object patches stay applied to the BaseModel after the MODEL is dropped: they must not keep the
+    # runtime alive (the adapter holds it on the MODEL, see runtime.hold)
+    owner = weakref.ref(runtime)
 
     def begin_run_then_extra_conds(**kwargs):
-        if "latent_image" in kwargs:  # PerpNeg also encodes a cond in every step, without latent_image
+        run = owner()
+        if run is not None and "latent_image" in kwargs:  # PerpNeg also encodes a cond in every step, without latent_image
             # object patches (a model sampling node's too) are applied while the model samples
-            runtime.begin_run(schedule_of_caller(), base_model.model_sampling)
+            run.begin_run(schedule_of_caller(), base_model.model_sampling)
         return extra_conds(**kwargs)
 
     m.add_object_patch("extra_conds", begin_run_then_extra_conds)
@@ -71,7 +93,9 @@ def install_run_hooks(m, runtime) -> None:
 
     def process_latent_out_then_end_run(latent):
         out = process_latent_out(latent)
-        runtime.end_run()
+        run = owner()
+        if run is not None:
+            run.end_run()
         return out
 
     m.add_object_patch("process_latent_out", process_latent_out_then_end_run)

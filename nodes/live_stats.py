@@ -6,7 +6,8 @@ listener made here sends the lines twice, to the client that queued the prompt:
 
 - as the node's progress text (``PromptServer.send_progress_text``, current ComfyUI), which current
   front ends render themselves, in the classic canvas and in Nodes 2.0 alike;
-- as a ``comfyui_toma.stats`` websocket message {node, text, lines, summary}, which
+- as a ``comfyui_toma.stats`` websocket message {node, prompt_id, text, lines, summary} (the prompt_id of
+  the run, as ComfyUI's own messages carry it, so API clients that group messages by prompt keep it), which
   ``web/js/toma_stats.js`` turns into the same text where the front end shows no progress text (the
   front end of the March-2024 server, which lacks it, and front ends that clear it when the prompt ends).
 """
@@ -89,13 +90,17 @@ class StageClock:
 
 
 def stats_lines(summary: dict) -> list[str]:
-    """Short human lines for a runtime summary: one per merged level (most tokens first), then the shares
+    """Short human lines for a runtime summary: one per merged level (most tokens first), one per level
+    left to another node (the node named), or why nothing merges, then the shares
     of the sampling wall time spent selecting destinations, merging and unmerging (device time from CUDA
     events on CUDA, host time elsewhere: the summary's ``clock``)."""
     levels = sorted(summary["levels"].items(), key=lambda item: -item[1]["tokens"])  # as the merge map counts
-    lines = [f"{name}: {v['tokens']} → {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
+    lines = [f"{name}: {v['tokens']} -> {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
+    lines += [f"{name}: left to {node}, which changed its tokens first"
+              for name, node in summary.get("left_to", {}).items()]
     if not lines:
-        lines = ["no step merged (no matching level or outside start/end percent)"]
+        lines = [f"nothing merges: {why}" for why in summary.get("nothing_merges", ())] or \
+                ["no step merged (no matching level or outside start/end percent)"]
     wall = summary.get("wall_seconds")
     if wall:
         shares = " · ".join(f"{kind} {100 * s / wall:.1f}%" for kind, s in summary["seconds"].items())
@@ -117,6 +122,16 @@ def prompt_server():
     return getattr(prompt_server_class, "instance", None)
 
 
+def running_prompt_id(instance):
+    """The id of the prompt being executed: current ComfyUI's execution context where it has one, else
+    the server's ``last_prompt_id``, which the prompt worker of both trees' main.py sets before it
+    executes a prompt (None outside a server)."""
+    execution_utils = sys.modules.get("comfy_execution.utils")
+    context = getattr(execution_utils, "get_executing_context", lambda: None)()
+    prompt_id = getattr(context, "prompt_id", None)
+    return prompt_id if prompt_id is not None else getattr(instance, "last_prompt_id", None)
+
+
 def stats_sender(unique_id):
     """A run listener that sends the summary of each run, tagged with the node's ``unique_id``."""
 
@@ -128,7 +143,8 @@ def stats_sender(unique_id):
         client = getattr(instance, "client_id", None)
         if hasattr(instance, "send_progress_text"):
             instance.send_progress_text(progress_text(lines), str(unique_id), client)
-        message = {"node": str(unique_id), "text": "\n".join(lines), "lines": lines, "summary": summary}
+        message = {"node": str(unique_id), "prompt_id": running_prompt_id(instance), "text": "\n".join(lines),
+                   "lines": lines, "summary": summary}
         instance.send_sync(EVENT, message, client)
 
     return send

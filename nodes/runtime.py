@@ -43,6 +43,14 @@ def progress_of_sigma(model_sampling, sigma: float) -> float:
     return 0.5 * (lo + hi)
 
 
+def grid_in_words(grid) -> str:
+    """(h, w) or (frames, h, w) -> "a 1x1 token grid (1 token)", "a 3-frame 4x4 token grid (48 tokens)"."""
+    *frames, h, w = grid
+    tokens = math.prod(grid)
+    depth = f"{frames[0]}-frame " if frames else ""
+    return f"a {depth}{h}x{w} token grid ({tokens} token{'s' if tokens != 1 else ''})"
+
+
 def batch_key(x, transformer_options):
     """The batch layout of a block call, part of every plan key: plans are never shared between calls
     with other rows (cond and uncond batched together, or split when memory is short)."""
@@ -69,6 +77,8 @@ class MergeRuntime:
         self.generators: dict = {}  # device -> the run's generator, advanced by every plan built
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
+        self.idle: set[str] = set()  # why this run merges nothing (strategy.merges_nothing), for the stats
+        self.left_to: dict[str, str] = {}  # level -> the other node that changed its tokens first (leave)
         self.stage_clock = StageClock(("select", "merge", "unmerge"))
         self.records: dict[str, list] = {}  # level name -> PlanRecords of this run, in step order
         self.run_started = None
@@ -102,6 +112,8 @@ class MergeRuntime:
         self.generators.clear()
         self.failed.clear()
         self.levels.clear()
+        self.idle.clear()
+        self.left_to.clear()
         self.records.clear()
         self.stage_clock.reset()
         self.strategy.schedule.reset()
@@ -186,6 +198,11 @@ class MergeRuntime:
         if where is None:
             return None
         step, progress, total = where
+        idle = self.strategy.merges_nothing(grid)
+        if idle is not None:
+            self.notice("%s merges nothing: %s", self.name, idle)
+            self.idle.add(idle)
+            return None
         decision = self.strategy.schedule.decide(step, progress, key, total)
         if not decision.merge:
             return None
@@ -197,9 +214,11 @@ class MergeRuntime:
                     given = None if cached is None or decision.new_destinations else getattr(cached, "destinations", None)
                     feats = features()
                     plan = self.strategy.build(feats, grid, self.generator(feats.device), given)
-            except Exception as e:  # never crash mid-sampling: run this block unmerged from now on
-                log.warning("ToMA: merging disabled for %s (%s: %s)", key, type(e).__name__, e)
+            except Exception:  # never crash mid-sampling: run this block unmerged from now on
                 self.failed.add(key)
+                self.notice("%s leaves %s unmerged: it could not build a merge plan for %s (the error is in "
+                            "the debug log)", self.name, level, grid_in_words(grid))
+                log.debug("ToMA: %s could not build a plan for %s", self.name, level, exc_info=True)
                 return None
             self.plans[key] = plan
             self.record(level, step, grid, plan)
@@ -208,6 +227,14 @@ class MergeRuntime:
         stats.steps.add(step)
         stats.details = details
         return plan
+
+    def leave(self, level: str, transformer_options, taker) -> str:
+        """Note that another node took ``level`` in this model call, for the run's stats; ``taker()``
+        names that node, asked once per level and run. The name."""
+        self.locate(transformer_options)  # the run reports even if no level of it merged
+        if level not in self.left_to:
+            self.left_to[level] = taker()
+        return self.left_to[level]
 
     def generator(self, device) -> torch.Generator:
         """The run's generator on ``device``, seeded with the strategy's seed at the run's first build."""
@@ -238,6 +265,8 @@ class MergeRuntime:
             "method": self.name,
             "levels": {k: {"tokens": v.tokens, "merged_tokens": v.merged_tokens, "steps": len(v.steps),
                            **v.details} for k, v in sorted(self.levels.items())},
+            "nothing_merges": sorted(self.idle),
+            "left_to": dict(sorted(self.left_to.items())),
             "seconds": self.stage_clock.seconds(),
             "clock": self.stage_clock.kind,
             "wall_seconds": wall,
@@ -253,6 +282,19 @@ class MergeRuntime:
 OPTIONS_KEY = "comfyui_toma"
 RUNTIMES: "weakref.WeakValueDictionary[str, MergeRuntime]" = weakref.WeakValueDictionary()
 STACK_KEY = "comfyui_toma_stack"  # ids of every token merge node's runtime on this MODEL, in patch order
+
+
+OWNERS_KEY = "comfyui_toma_owners"  # what the MODEL's object patches reach only weakly, held by the MODEL
+
+
+def hold(model, owner) -> None:
+    """Keep ``owner`` (an adapter's patch state, and through it the runtime) alive exactly as long as
+    ``model`` or a clone of it. Object patches stay applied to the shared BaseModel after sampling (even
+    after the patched MODEL is gone, until another clone loads), so they reach their owner through a weak
+    reference, and the MODEL's ``model_options`` hold it instead (clones share it: owners return
+    themselves from ``__deepcopy__``)."""
+    options = model.model_options.setdefault("transformer_options", {})
+    options[OWNERS_KEY] = list(options.get(OWNERS_KEY, ())) + [owner]
 
 
 def attach_runtime(model, runtime) -> str:

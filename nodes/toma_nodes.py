@@ -39,8 +39,9 @@ def check_choice(name: str, value, choices):
 
 def check_inputs(node_class, **values) -> None:
     """Check ``values`` against the node's own ``INPUT_TYPES()``: numbers inside [min, max], INT inputs
-    whole numbers (a fractional value can come through the API or a script), combos among their choices.
-    Errors name the input and what it allows."""
+    whole numbers (a fractional value can come through the API or a script), BOOLEAN inputs True or False
+    (a script's "false" or 1 would otherwise be truthy), combos among their choices. Errors name the input
+    and what it allows."""
     spec = {**node_class.INPUT_TYPES().get("required", {}), **node_class.INPUT_TYPES().get("optional", {})}
     for name, value in values.items():
         kind, options = spec[name][0], (spec[name][1] if len(spec[name]) > 1 else {})
@@ -53,6 +54,8 @@ def check_inputs(node_class, **values) -> None:
                 raise ValueError(f"{name} must be {what} between {options['min']} and {options['max']}, "
                                  f"got {value!r}")
             check_range(name, value, options["min"], options["max"])
+        elif kind == "BOOLEAN" and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False (JSON true or false over the API), got {value!r}")
 
 
 def model_sampling_of(model):
@@ -210,11 +213,13 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
               proportional_attention=False, unique_id=None):
         check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,
                      scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
-                     end_percent=end_percent, tau=tau, temporal_window=temporal_window, merge_every=merge_every)
+                     end_percent=end_percent, tau=tau, exact_unmerge=exact_unmerge, temporal_window=temporal_window,
+                     merge_every=merge_every, plan_per_block=plan_per_block,
+                     proportional_attention=proportional_attention)
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every))
         strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge,
                                                 tile_frames=int(temporal_window), shares_plans=not plan_per_block,
-                                                proportional=bool(proportional_attention))
+                                                proportional=proportional_attention)
         return (apply_strategy(model, strategy, levels, scope, unique_id),)
 
 

@@ -33,9 +33,10 @@ def pack(comfy):
 @pytest.fixture
 def sent(monkeypatch) -> list:
     """The messages (event, data, client id) sent through a stand-in for ComfyUI's running PromptServer
-    (found, as the pack finds it, as ``server.PromptServer.instance``; its client is "client-1")."""
+    (found, as the pack finds it, as ``server.PromptServer.instance``; its client is "client-1", and the
+    prompt it runs "prompt-1")."""
     messages = []
-    instance = types.SimpleNamespace(client_id="client-1",
+    instance = types.SimpleNamespace(client_id="client-1", last_prompt_id="prompt-1",
                                      send_sync=lambda event, data, sid=None: messages.append((event, data, sid)))
     prompt_server = types.SimpleNamespace(instance=instance)
     monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=prompt_server))

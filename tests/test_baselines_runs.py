@@ -2,6 +2,8 @@
 ToMeSD draws its random cells from one generator per sampling run, advanced by every block call (as
 tomesd advances one generator), and CA-ToMe computes matches at the steps its reference pipeline does
 (it counts steps from 1)."""
+import logging
+
 import pytest
 import torch
 
@@ -61,3 +63,23 @@ def test_catome_computes_at_the_reference_steps(pack, monkeypatch, steps):
     want = {0} | {round(c * steps / 50) - 1 for c in core.CATOME_CONFIG3 if round(c * steps / 50) >= 1}
     assert set(built_at) == want == core.catome_checkpoints(steps)
     assert len(want) < steps  # some steps reuse the matches: the test would prove nothing otherwise
+
+
+@pytest.mark.parametrize("node, inputs, method", [("ToMeSDPatchModel", {"ratio": 0.5}, "ToMeSD"),
+                                                  ("CAToMePatchModel", {"threshold": 0.5}, "CA-ToMe")])
+def test_a_latent_too_small_for_a_plan_runs_unmerged_and_the_log_says_so_in_words(pack, caplog, node, inputs, method):
+    """A 1x1 latent has one token, which no ToMeSD cell layout fits: the method, the level and the grid
+    are named in words, once, and the run goes on unmerged. (64 channels: GroupNorm needs more than one
+    value per group on a 1x1 latent.)"""
+    model = models.build_unet("sd15", 0, config=dict(UNET_TINY, model_channels=64))
+    (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(model, **inputs)
+
+    with caplog.at_level(logging.DEBUG, logger="ComfyUI-ToMA"):
+        out = sampling.sample(patched, models.conditioning("sd15", 1, height=8, width=8), torch.zeros(1, 4, 1, 1),
+                              steps=2)
+
+    assert torch.isfinite(out).all()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [f"ToMA: {method} leaves 1x1 (1/1) unmerged: it could not build a merge plan for a 1x1 "
+                        "token grid (1 token) (the error is in the debug log)"]
+    assert any(r.exc_info for r in caplog.records if r.levelno == logging.DEBUG)

@@ -28,7 +28,7 @@ CHECKPOINT = "toma_test_sd15.safetensors"  # the name the workflow's loader asks
 TOMA_NODE, SAMPLER_NODE, PREVIEW_NODE = 2, 6, 8  # node ids in WORKFLOW
 LATENT_HW = (12, 16)  # WORKFLOW's EmptyLatentImage is 128x96 pixels
 SAMPLER_STEPS = 2  # WORKFLOW's KSampler steps
-STATS_LINE = re.compile(r"^(\d+)x(\d+) \(1/(\d+)\): (\d+) → (\d+) tokens, (\d+) steps merged$")
+STATS_LINE = re.compile(r"^(\d+)x(\d+) \(1/(\d+)\): (\d+) -> (\d+) tokens, (\d+) steps merged$")
 TIME_LINE = re.compile(r"^select [\d.]+% · merge [\d.]+% · unmerge [\d.]+% of [\d.]+ s sampling$")
 TINY_SD15 = {"channel_mult": [1, 2], "num_res_blocks": [1, 1], "transformer_depth": [1, 1],
              "transformer_depth_output": [1, 1, 1, 1]}
@@ -196,7 +196,7 @@ def open_front_end(browser, client, nodes_2: bool = False):
     page.goto(client.base_url)
     page.wait_for_function("window.app && window.app.graph && window.LiteGraph", timeout=120_000)
     page.wait_for_function("(name) => (window.app.extensions || []).some((e) => e.name === name)",
-                           arg="comfyui_toma.stats", timeout=60_000)
+                           arg="comfyuitomatokenmerging.stats", timeout=60_000)
     return page, problems
 
 

@@ -75,7 +75,7 @@ def test_nothing_positional_for_sd3_blocks(dit):
 def test_unsupported_model_is_returned_unpatched_with_a_message(pack, caplog):
     nodes = pack.nodes.toma_nodes
     sampling = types.SimpleNamespace(percent_to_sigma=lambda p: 1.0 - p)
-    model = types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=torch.nn.Linear(2, 2),
+    model = types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=torch.nn.Identity(),
                                                               model_sampling=sampling))
     assert pack.nodes.adapters.adapter_for(model) is None
     with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from toma_core import ReuseSchedule, RunClock, StepDecision, step_from_sigmas
+from toma_core import CAToMe, ReuseSchedule, RunClock, StepDecision, ToMA, ToMeSD, step_from_sigmas
 
 
 def karras(n: int, sigma_min: float = 0.0292, sigma_max: float = 14.6146, rho: float = 7.0) -> list[float]:
@@ -184,3 +184,25 @@ def test_run_clock_without_schedule_counts_distinct_sigmas():
     assert clock.step(sched[3] * 1.01) == 8  # a sigma not seen before in this run is a new step
     clock.begin(None)
     assert clock.step(sched[5]) == 0
+
+
+@pytest.mark.parametrize("strategy, grid, why", [
+    (ToMA(0.5, 1), (8, 8), "window_size 1: each window holds a single token"),
+    (ToMA(0.5, 1, tile_frames=1), (3, 8, 8), "window_size 1 and temporal_window 1: each window holds a single"),
+    (ToMA(0.5, 1, tile_frames=2), (1, 8, 8), "window_size 1: each window holds a single token"),
+    (ToMA(0.5, 4, ReuseSchedule(0.3, 0.3)), (8, 8), "start_percent equals end_percent (0.3)"),
+    (ToMA(0.5, 4, ReuseSchedule(1.0, 1.0)), (8, 8), "start_percent equals end_percent (1.0)"),
+])
+def test_inputs_that_merge_nothing_say_why(strategy, grid, why):
+    assert strategy.merges_nothing(grid).startswith(why)
+
+
+@pytest.mark.parametrize("strategy, grid", [
+    (ToMA(0.5, 2), (8, 8)),
+    (ToMA(0.5, 1, tile_frames=2), (3, 8, 8)),  # windows of one token over two frames merge
+    (ToMA(0.5, 4, ReuseSchedule(0.3, 0.31)), (8, 8)),
+    (ToMeSD(0.5), (8, 8)),
+    (CAToMe(0.7), (8, 8)),
+])
+def test_inputs_that_may_merge_give_no_reason(strategy, grid):
+    assert strategy.merges_nothing(grid) is None

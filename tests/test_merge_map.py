@@ -3,6 +3,7 @@
 The records and the picture are checked on small plans whose groups are known by construction; the node
 and the run hooks on a tiny random UNet sampled in-process (pinned tree, or COMFYUI_PATH).
 """
+import logging
 import sys
 import types
 
@@ -196,9 +197,9 @@ def test_merge_map_node_shows_recorded_plans_of_non_square_run(pack, mm, unet, s
     # one stats message for the run, for the patch node, to the client that queued the prompt
     assert len(sent) == 1
     event, data, sid = sent[0]
-    assert (event, data["node"], sid) == ("comfyui_toma.stats", "12", "client-1")
-    assert data["lines"][0] == f"24x16 (1/1): 384 → 192 tokens, {STEPS} steps merged"
-    assert data["lines"][1] == f"12x8 (1/2): 96 → 48 tokens, {STEPS} steps merged"
+    assert (event, data["node"], data["prompt_id"], sid) == ("comfyui_toma.stats", "12", "prompt-1", "client-1")
+    assert data["lines"][0] == f"24x16 (1/1): 384 -> 192 tokens, {STEPS} steps merged"
+    assert data["lines"][1] == f"12x8 (1/2): 96 -> 48 tokens, {STEPS} steps merged"
     assert data["lines"][2].startswith("select ") and data["lines"][2].endswith(" s sampling")
     assert data["text"] == "\n".join(data["lines"])
 
@@ -216,6 +217,24 @@ def test_each_run_reports_once_and_starts_clean(pack, mm, unet, sent):
     assert mm.ToMAMergeMap().draw(patched, latent, 0, -1)[0].shape == (1, 64, 128, 3)
     runtime.end_run()  # a second end signal without a model call in between (SamplerCustom's x0 output)
     assert len(sent) == 2
+
+
+@pytest.mark.parametrize("inputs, why", [
+    ({"window_size": 1}, "window_size 1: each window holds a single token, with nothing to merge into it"),
+    ({"start_percent": 0.4, "end_percent": 0.4}, "start_percent equals end_percent (0.4): no step lies between them"),
+])
+def test_inputs_that_merge_nothing_say_so_once_in_the_log_and_the_stats(pack, unet, sent, caplog, inputs, why):
+    args = {"ratio": 0.5, "window_size": 4, "reuse_interval": 5, "unique_id": "7", **inputs}
+    patched = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(unet, **args)[0]
+
+    with caplog.at_level(logging.INFO, logger="ComfyUI-ToMA"):
+        sample(patched, steps=2)
+        sample(patched, steps=2)
+
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [f"ToMA: ToMA merges nothing: {why}"]
+    assert [data["lines"][0] for _, data, _ in sent] == [f"nothing merges: {why}"] * 2
+    assert pack.nodes.runtime.runtime_of(patched).records == {}
 
 
 def test_merge_map_supports_tomesd(pack, mm, unet):

@@ -11,6 +11,8 @@ import ast
 import importlib.util
 import json
 import os
+import posixpath
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,7 @@ import json
 from comfy_cli.registry.config_parser import extract_node_configuration
 config = extract_node_configuration()
 print(json.dumps({"issues": config.project.urls.issues, "repository": config.project.urls.repository,
+                  "homepage": config.project.urls.homepage,
                   "icon": config.tool_comfy.icon, "requires_comfyui": config.project.supported_comfyui_version,
                   "publisher": config.tool_comfy.publisher_id, "version": config.project.version}))
 """
@@ -77,6 +80,7 @@ def test_comfy_node_validate_passes_with_the_registry_metadata(checkout):
     assert fields.returncode == 0, fields.stderr
     metadata = json.loads(fields.stdout.strip().splitlines()[-1])
     assert metadata["issues"] == metadata["repository"] + "/issues", metadata
+    assert metadata["homepage"] == metadata["repository"], metadata
     assert metadata["icon"].startswith("https://") and metadata["icon"].endswith(".png"), metadata
     icon_in_repo = metadata["icon"].split("/main/", 1)[-1]
     assert (REPO / icon_in_repo).is_file(), f"the Icon URL names {icon_in_repo}, which is not in the repository"
@@ -99,13 +103,54 @@ def missing_imports(names: set[str], root: Path) -> list[str]:
     return problems
 
 
-@needs_comfy_cli
-def test_comfy_node_pack_ships_the_nodes_and_no_development_files(checkout):
-    packed = comfy_cli(checkout, "node", "pack")
-    assert packed.returncode == 0, packed.stdout + packed.stderr
+@pytest.fixture(scope="module")
+def packed(checkout) -> set[str]:
+    """The names in the zip ``comfy node pack`` makes of the checkout."""
+    result = comfy_cli(checkout, "node", "pack")
+    assert result.returncode == 0, result.stdout + result.stderr
     with zipfile.ZipFile(checkout / "node.zip") as archive:
-        names = set(archive.namelist())
+        return set(archive.namelist())
 
+
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def dead_links(page: str, root: Path, names: set[str]) -> list[str]:
+    """Relative links of the markdown file ``page`` (in ``root``) to files that are not in ``names``."""
+    problems = []
+    for target in MARKDOWN_LINK.findall((root / page).read_text()):
+        path = target.split("#", 1)[0]
+        if not path or re.match(r"[a-z]+:", path):  # an anchor on the page, or an address
+            continue
+        linked = posixpath.normpath(posixpath.join(posixpath.dirname(page), path))
+        if linked not in names:
+            problems.append(f"{page} links {target}, which the zip leaves out")
+    return problems
+
+
+# docs/benchmarks.md (the lead's, being rewritten) links its picture grids and the proxies' model card,
+# which the zip leaves out; strict, so the mark must go when the page is mended.
+BENCHMARKS_PAGE = pytest.param("docs/benchmarks.md", marks=pytest.mark.xfail(
+    strict=True, reason="links docs/*_samples.png and ../toma_bench/proxies/README.md, left out of the zip"))
+
+
+@needs_comfy_cli
+def test_shipped_pages_link_only_to_shipped_files(checkout, packed):
+    pages = sorted(name for name in packed if name.endswith(".md") and name != "docs/benchmarks.md")
+    assert "README.md" in pages and "docs/architecture.md" not in packed
+
+    assert [problem for page in pages for problem in dead_links(page, checkout, packed)] == []
+
+
+@needs_comfy_cli
+@pytest.mark.parametrize("page", [BENCHMARKS_PAGE])
+def test_benchmarks_page_links_only_to_shipped_files(checkout, packed, page):
+    assert dead_links(page, checkout, packed) == []
+
+
+@needs_comfy_cli
+def test_comfy_node_pack_ships_the_nodes_and_no_development_files(checkout, packed):
+    names = packed
     tracked = set(git("ls-files", cwd=checkout).splitlines())
     needed = {name for name in tracked if name.startswith(SHIPPED_DIRS)}
     needed |= {"__init__.py", "README.md", "LICENSE", "requirements.txt", "pyproject.toml"}

@@ -82,6 +82,10 @@ def test_api_workflow_runs_with_progress_and_saves_an_image(client):
     saved = [image for output in history["outputs"].values() for image in output.get("images", [])]
     assert len(saved) == 1 and saved[0]["filename"].startswith("toma_")
     assert png(client, saved[0]).shape == (HEIGHT, WIDTH, 3)  # the latent's size x8
+    # the live stats carry the prompt's id, so this client (which groups messages by prompt) keeps them
+    patch_node = next(i for i, node in graph.items() if node["class_type"] == "ToMAPatchModel")
+    stats = [data for _, kind, data in run.messages if kind == "comfyui_toma.stats"]
+    assert [(data["node"], data["prompt_id"]) for data in stats] == [(patch_node, prompt_id)]
 
 
 def test_comparison_workflow_saves_three_distinct_images(client):
@@ -96,6 +100,19 @@ def test_comparison_workflow_saves_three_distinct_images(client):
     # Same seed, same conditioning: only the token merging differs, and it does change the result.
     assert not np.array_equal(images["toma"], images["unpatched"])
     assert not np.array_equal(images["tomesd"], images["unpatched"])
+
+
+def test_methods_comparison_workflow_saves_each_method_and_its_merge_map(client):
+    graph = small(server.load_workflow("sd15_compare_methods_api.json"), seed=8)
+
+    run = client.run(graph)
+
+    images = {image["filename"].rsplit("_", 2)[0]: png(client, image) for image in run.images()}
+    assert sorted(images) == ["catome", "catome_merge_map", "toma", "toma_merge_map", "tomesd", "tomesd_merge_map",
+                              "unpatched"]
+    assert all(image.shape == (HEIGHT, WIDTH, 3) for image in images.values())
+    assert not np.array_equal(images["toma"], images["unpatched"])
+    assert not np.array_equal(images["toma_merge_map"], images["tomesd_merge_map"])
 
 
 @pytest.mark.parametrize("name, value", [("ratio", 5), ("window_size", 0)])

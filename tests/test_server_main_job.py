@@ -1,6 +1,8 @@
 """``python -m toma_bench.main_job`` end to end (on a tiny proxy file and on a tiny checkpoint), its graphs,
 its run order and its busy-machine warnings."""
 import json
+import os
+import types
 
 import numpy as np
 import pytest
@@ -79,6 +81,45 @@ def test_interleaved_rounds_rotate_the_first_method():
     assert [label for r, label in order[::3]] == ["unpatched", "toma", "tomesd"]  # each label first once
     firsts = [label for _, label in main_job.interleaved(labels, 5)[::3]]
     assert all(a != b for a, b in zip(firsts, firsts[1:]))  # never the same method first twice in a row
+
+
+class RecordingClient:
+    """A stand-in for server.Client that records each prompt it is asked to run and answers with one
+    KSampler run (no server: the structure of the job's runs, not their times)."""
+
+    pid = os.getpid()
+
+    def __init__(self):
+        self.prompts = []
+
+    def run(self, prompt, timeout=600, on_message=None):
+        self.prompts.append(prompt)
+        sampler = next(i for i, node in prompt.items() if node["class_type"] == "KSampler")
+        for node in (sampler, None):
+            if on_message is not None:
+                on_message("executing", {"node": node})
+        return types.SimpleNamespace(node_seconds=lambda: {sampler: 1.0}, images=lambda: [])
+
+
+def test_warm_up_runs_every_branch_as_the_rounds_run_it():
+    """Round 1 must cost what the others do: before the first timed run, each method's branch ran once as
+    its own prompt with all its steps, from a seed no timed run uses."""
+    graph, seed, repeats = proxy_graph(), 42, 2
+    parts = main_job.branches(graph)
+    client = RecordingClient()
+
+    timings, _ = main_job.timed_runs(client, graph, seed, repeats)
+
+    warm_up, timed = client.prompts[:len(parts)], client.prompts[len(parts):]
+    assert len(timed) == repeats * len(parts) and all(len(t) == repeats for t in timings.values())
+    timed_seeds = {node["inputs"]["seed"] for p in timed for node in p.values() if node["class_type"] == "KSampler"}
+    warm_seeds = set()
+    for (part, sampler), prompt in zip(parts.values(), warm_up):
+        assert set(prompt) == set(part)  # the branch alone, as its own prompt
+        warm_seeds.add(prompt[sampler]["inputs"]["seed"])
+        assert prompt[sampler]["inputs"]["steps"] == part[sampler]["inputs"]["steps"]
+        assert {i: n for i, n in prompt.items() if i != sampler} == {i: n for i, n in part.items() if i != sampler}
+    assert not warm_seeds & timed_seeds
 
 
 @pytest.mark.parametrize("load_before, load_after, cores, threads, runs, expected", [

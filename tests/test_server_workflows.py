@@ -241,9 +241,12 @@ def test_late_models_name_shipped_workflows():
     assert set(LATE_MODELS) <= {name[: -len(".json")] for name in UI_FILES}
 
 
-def test_our_nodes_are_used_in_the_shipped_workflows():
-    used = {node["class_type"] for name in API_FILES for node in server.load_workflow(name).values()}
-    assert {"ToMAPatchModel", "ToMeSDPatchModel"} <= used
+def test_every_node_of_the_pack_is_used_in_a_shipped_workflow(pack):
+    in_api = {node["class_type"] for name in API_FILES for node in server.load_workflow(name).values()}
+    in_ui = {node["type"] for name in UI_FILES for node in server.load_workflow(name)["nodes"]}
+
+    assert set(pack.NODE_CLASS_MAPPINGS) - in_api == set()
+    assert set(pack.NODE_CLASS_MAPPINGS) - in_ui == set()
 
 
 @pytest.mark.parametrize("name", API_FILES)

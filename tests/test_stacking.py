@@ -143,6 +143,27 @@ def test_another_patch_keeps_its_level_and_toma_merges_the_others(pack, unet, ca
     assert any("16x16 (1/1) unmerged" in m for m in toma_warnings(caplog))
 
 
+# (other node, how the stats name it, order): a second ToMA node takes the level only from nearer the sampler
+TAKERS = [(other, named, order) for other, named in [("HyperTile", "HyperTile"), ("ToMe", "TomePatchModel")]
+          for order in ("other-then-toma", "toma-then-other")] + \
+         [("ToMA", "the ToMA node nearer the sampler", "toma-then-other")]
+
+
+@pytest.mark.parametrize("other, named, order", TAKERS)
+def test_stats_name_the_node_that_took_the_default_level(pack, unet, sent, other, named, order):
+    """On the default level (1/1) the other node changes the tokens first: the stats line names it
+    instead of blaming the levels or start/end percent."""
+    apply_other = OTHERS[other][0]
+    patched = (toma(apply_other(unet), unique_id="9") if order == "other-then-toma"
+               else apply_other(toma(unet, unique_id="9")))
+
+    sample(patched)
+
+    (lines,) = [data["lines"] for _, data, _ in sent if data["node"] == "9"]
+    assert lines[0] == f"16x16 (1/1): left to {named}, which changed its tokens first"
+    assert not any("no step merged" in line for line in lines)
+
+
 def test_two_toma_nodes_the_one_nearer_the_sampler_wins_where_both_merge(pack, unet):
     inner = toma(unet, ratio=0.75, levels="1,2")
     outer = toma(inner, ratio=0.25, levels="1")

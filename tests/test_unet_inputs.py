@@ -32,6 +32,9 @@ BAD_INPUTS = [
     ("ToMAPatchModelAdvanced", dict(TOMA, tau=0.5), ["tau", "1.0", "10000.0"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, scope="everything"), ["scope", "attention", "block"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, levels="middle"), ["levels", "auto", "all"]),
+    ("ToMAPatchModelAdvanced", dict(TOMA, exact_unmerge="false"), ["exact_unmerge", "True", "False"]),
+    ("ToMAPatchModelAdvanced", dict(TOMA, exact_unmerge="yes"), ["exact_unmerge", "True", "False"]),
+    ("ToMAPatchModelAdvanced", dict(TOMA, exact_unmerge=2), ["exact_unmerge", "True", "False"]),
     ("ToMeSDPatchModel", {"ratio": 0.8}, ["ratio", "0.0", "0.75"]),
     ("ToMeSDPatchModel", {"ratio": 0.5, "max_downsample": 3}, ["max_downsample", "1", "8"]),
     ("ToMeSDPatchModel", {"ratio": 0.5, "sx": 0}, ["sx", "1", "8"]),
@@ -117,7 +120,7 @@ class NoDiffusionModel(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.proj = torch.nn.Linear(4, 4)
+        self.weight = torch.nn.Parameter(torch.zeros(4, 4))
 
 
 @pytest.fixture(scope="module")

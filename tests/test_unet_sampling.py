@@ -8,8 +8,10 @@ take 1-2 steps: a 32x32 step costs about a second on two CPU cores.
 
 Works against the pinned ComfyUI and a current one (COMFYUI_PATH); nothing here depends on which.
 """
+import gc
 import logging
 import re
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -308,6 +310,31 @@ def test_no_state_leaks_between_one_step_runs(pack, sd15, toma_square):
     sample(patched, "sd15", seed=1)
 
     assert torch.equal(sample(patched, "sd15"), toma_square)
+
+
+@pytest.mark.parametrize("scope", ["attention", "block"])
+def test_no_runtime_outlives_its_models(pack, sd15, scope):
+    """Object patches stay applied to the shared BaseModel after sampling (until another clone loads),
+    so they must not keep a dropped MODEL's runtime registered. Current ComfyUI holds loaded models
+    weakly: dropping the MODEL is enough there; the pinned tree holds the loaded clone until models are
+    unloaded."""
+    import comfy.model_management
+
+    registry = pack.nodes.runtime.RUNTIMES
+    patched = patch(pack, "ToMAPatchModelAdvanced", sd15.model, **TOMA, scope=scope)
+    stacked = patch(pack, "ToMeSDPatchModel", patched, ratio=0.5)
+    ids = stacked.model_options["transformer_options"][pack.nodes.runtime.STACK_KEY]
+    sample(stacked, "sd15")
+    model_alive = weakref.ref(stacked)
+
+    del patched, stacked
+    gc.collect()
+    assert all((i in registry) == (model_alive() is not None) for i in ids)
+
+    comfy.model_management.unload_all_models()
+    gc.collect()
+    assert model_alive() is None
+    assert dict(registry) == {}
 
 
 # -- fidelity -----------------------------------------------------------------------------------------------

@@ -234,7 +234,8 @@ def meta_sampling():
 
 
 class FailedPlans(logging.Handler):
-    """Counts the runtime's "merging disabled" warnings (a plan that failed runs its block unmerged)."""
+    """Collects the runtime's "could not build a merge plan" warnings (a block whose plan failed runs
+    unmerged; the runtime says so once per level)."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -242,7 +243,7 @@ class FailedPlans(logging.Handler):
 
     def emit(self, record):
         message = record.getMessage()
-        if "merging disabled" in message:
+        if "could not build a merge plan" in message:
             self.messages.append(message)
 
 
@@ -353,7 +354,7 @@ def merged_text(recorded: Recorded) -> tuple[str, str]:
     if not any(merged < tokens for _, tokens, merged in recorded.merged):
         flag = "MERGED NOTHING"
     elif recorded.failed:
-        flag = f"{len(recorded.failed)} plans failed"
+        flag = f"plans failed at {len(recorded.failed)} levels"
     return text or "nothing", flag
 
 

@@ -13,7 +13,9 @@ side-by-side shows what merging changes. It runs through toma_bench/workflows/sd
 the shipped comparison's three branches on the test-only proxy loader and decoder nodes. ``--ckpt`` runs
 the shipped workflows/sd15_compare_api.json on an SD1.x/SD2.x checkpoint instead.
 
-After one warm-up prompt that loads everything, the methods run interleaved: round r runs each method as
+After a warm-up run of each method's branch (its own prompt, as timed, from a seed no timed run uses: a
+single prompt of all branches at one step left round 1 costlier than the others), the methods run
+interleaved: round r runs each method as
 its own prompt (ComfyUI caches node outputs, so a shared graph would time only the first branch) from
 seed + r, in an order rotated per round so that no method always goes first. A run's times are the wall
 time and the server's CPU time of its KSampler node, both read at the websocket's ``executing``
@@ -245,16 +247,20 @@ class RunWatcher:
 
 
 def timed_runs(client, graph: dict, seed: int, repeats: int) -> tuple[dict, dict]:
-    """Warm up once, then ``repeats`` interleaved rounds of every branch, each run its own prompt.
+    """Warm up every branch, then ``repeats`` interleaved rounds of every branch, each run its own prompt.
 
+    The warm-up runs each branch once exactly as the rounds run it (its own prompt, all its steps), so the
+    first timed round finds every method's code and model state as the later rounds do.
     Returns ({label: [Timing per round]}, {label: images of round 0}).
     """
     started = time.perf_counter()
-    warm_seed = seed + repeats  # a seed no timed run uses, so no timed KSampler is served from the cache
-    print(f"[main-job] warm-up: all branches, 1 step, seed {warm_seed} (loads the model; not timed)", flush=True)
-    client.run(with_seed(server.set_inputs(graph, "KSampler", steps=1), warm_seed))
-    print(f"[main-job] warm-up done in {time.perf_counter() - started:.1f} s", flush=True)
     parts = branches(graph)
+    warm_seed = seed + repeats  # a seed no timed run uses, so no timed KSampler is served from the cache
+    print(f"[main-job] warm-up: each method's branch as timed, seed {warm_seed} (loads the model; not timed)",
+          flush=True)
+    for part, _ in parts.values():
+        client.run(with_seed(part, warm_seed))
+    print(f"[main-job] warm-up done in {time.perf_counter() - started:.1f} s", flush=True)
     timings = {label: [] for label in parts}
     images = {}
     for r, label in interleaved(list(parts), repeats):

@@ -3,6 +3,10 @@
 
     build(features (B, N, C), grid (h, w) or (frames, h, w), generator, destinations=None) -> plan
 
+    merges_nothing(grid) -> str or None
+
+``merges_nothing``: why the inputs leave nothing to merge on a grid, said once in the log and the live
+stats (None: plans may merge).
 ``destinations``: those of the group's last plan, given when the schedule asks for new weights only.
 ``generator``: one per sampling run, advanced by every build (as tomesd advances one generator), so
 every block and step draws new random cells. ``shares_plans``: one plan serves all blocks of a group
@@ -40,6 +44,16 @@ class ToMA:
         return plan_tiles(features, grid, self.window_size, self.ratio, self.tau, self.exact,
                           destinations=destinations, generator=generator, tile_frames=self.tile_frames)
 
+    def merges_nothing(self, grid) -> str | None:
+        start, end = self.schedule.start_percent, self.schedule.end_percent
+        if start == end:
+            return f"start_percent equals end_percent ({start}): no step lies between them"
+        video = len(grid) == 3 and grid[0] > 1
+        if self.window_size == 1 and (not video or self.tile_frames == 1):
+            depth = " and temporal_window 1" if video else ""
+            return f"window_size 1{depth}: each window holds a single token, with nothing to merge into it"
+        return None
+
 
 @dataclass(frozen=True)
 class ToMeSD:
@@ -57,6 +71,9 @@ class ToMeSD:
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
         return tomesd_plan(features, grid, self.ratio, self.sx, self.sy, generator=generator)
 
+    def merges_nothing(self, grid) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class CAToMe:
@@ -73,3 +90,6 @@ class CAToMe:
 
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
         return catome_plan(features, grid, self.threshold, self.sx, self.sy, generator=generator)
+
+    def merges_nothing(self, grid) -> None:
+        return None

@@ -17,11 +17,12 @@ import inspect
 import logging
 import math
 import types
+import weakref
 
 from .. import placement
 from ...toma_core.attention import with_key_bias, without_padding
-from ..host import install_run_hooks, original_attr
-from ..runtime import MergeRuntime
+from ..host import block_patches_of_caller, install_run_hooks, original_attr
+from ..runtime import MergeRuntime, hold
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -146,14 +147,28 @@ class UNetPatch:
         h, w, ds = grid
         level = level_name(grid)
         if tuple(x.shape[:2]) != tuple(arrived):
-            self.runtime.notice("%s leaves level %s unmerged: another node's attention patch changed its "
-                                "tokens first (%d tokens in batch %d instead of %d in batch %d; HyperTile, "
-                                "ToMe or a token-merge node nearer the sampler)", self.runtime.name, level,
+            taker = self.runtime.leave(level, transformer_options, lambda: self.token_changer(level))
+            self.runtime.notice("%s leaves level %s unmerged: %s changed its tokens first (%d tokens in batch "
+                                "%d instead of %d in batch %d)", self.runtime.name, level, taker,
                                 x.shape[1], x.shape[0], arrived[1], arrived[0])
             return None
         block = (tuple(transformer_options.get("block") or ()), transformer_options.get("block_index", 0))
         return self.runtime.plan(("level", ds), block, (h, w), x, features, transformer_options, level,
                                  downsample=ds)
+
+    def token_changer(self, level: str) -> str:
+        """Which node changed this block's tokens before its self-attention, in words: the other nodes'
+        attn1 patches of this block call (HyperTile, ComfyUI's ToMe, ...), else a node of this pack nearer
+        the sampler that merged the level (it merges inside the attention, before this node's merge)."""
+        attn1 = (block_patches_of_caller() or {}).get("attn1_patch") or []
+        others = [fn for fn in attn1 if not isinstance(getattr(fn, "__self__", None), UNetPatch)]
+        if others:
+            return " and ".join(dict.fromkeys(patch_node_name(fn) for fn in others))
+        nearer = [fn.__self__.runtime.name for fn in attn1 if isinstance(getattr(fn, "__self__", None), UNetPatch)
+                  and fn.__self__ is not self and level in fn.__self__.runtime.levels]
+        if nearer:
+            return f"the {nearer[0]} node nearer the sampler"
+        return "another node's attention patch"
 
     # scope "attention" -------------------------------------------------------------------------
     def observe(self, n, context_attn1, value_attn1, extra_options):
@@ -167,13 +182,16 @@ class UNetPatch:
         return n, context_attn1, value_attn1
 
     def attention_forward(self, original):
-        patch = self
+        owner = weakref.ref(self)  # object patches outlive the MODEL on the BaseModel: see runtime.hold
 
         def forward(attention, x, context=None, value=None, mask=None, **kwargs):
-            call, patch.current = patch.current, None
+            patch = owner()
+            call = None
+            if patch is not None:
+                call, patch.current = patch.current, None
             self_attention = (context is None or context is x) and (value is None or value is x)
             # attending to a context instead (disable_self_attn), only the queries can merge
-            mergeable = self_attention or patch.scope != placement.KEYS_VALUES
+            mergeable = patch is not None and (self_attention or patch.scope != placement.KEYS_VALUES)
             plan = (None if call is None or mask is not None or not mergeable
                     else patch.plan_for(x, lambda: x, *call))
             if plan is None:
@@ -196,10 +214,11 @@ class UNetPatch:
 
     # scope "block" -----------------------------------------------------------------------------
     def block_forward(self, original):
-        patch = self
+        owner = weakref.ref(self)  # object patches outlive the MODEL on the BaseModel: see runtime.hold
 
         def forward(block, x, context=None, transformer_options={}):
-            if patch.steps_aside(transformer_options):
+            patch = owner()
+            if patch is None or patch.steps_aside(transformer_options):
                 return original(x, context=context, transformer_options=transformer_options)
             plan = patch.plan_for(x, lambda: block.norm1(x), transformer_options, tuple(x.shape[:2]))
             if plan is None:
@@ -244,6 +263,14 @@ def proportional_attention(attention, queries, keys, log_mass, kwargs):
     return attention.to_out(without_padding(out, heads, d))
 
 
+def patch_node_name(fn) -> str:
+    """The node an attention patch function comes from: nodes define their patch functions inside their
+    own methods ("HyperTile.patch.<locals>.hypertile_in", "TomePatchModel.execute.<locals>.tomesd_m"),
+    so the first part of its qualified name is the node's class name; else that name as it is."""
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return qualname.split(".")[0] if ".<locals>." in qualname else qualname
+
+
 FAMILY = "SD1.x/SD2.x/SDXL UNet"
 
 
@@ -266,6 +293,7 @@ def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
                     runtime.name, ", ".join(map(str, available)), ", ".join(map(str, sorted(levels))))
     patch = UNetPatch(runtime, levels, scope, getattr(runtime.strategy, "proportional", False))
     m = model.clone()
+    hold(m, patch)
     if scope != placement.BLOCK:
         patches = m.model_options.setdefault("transformer_options", {}).setdefault("patches", {})
         patches["attn1_patch"] = [patch.observe] + patches.get("attn1_patch", [])  # first: sees the block's tokens

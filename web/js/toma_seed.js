@@ -7,7 +7,7 @@ import { app } from "../../../scripts/app.js";
 const SEEDED_NODES = new Set(["ToMeSDPatchModel", "CAToMePatchModel"]);
 
 app.registerExtension({
-  name: "comfyui_toma.fixed_seed",
+  name: "comfyuitomatokenmerging.fixed_seed",
   nodeCreated(node) {
     if (!SEEDED_NODES.has(node.comfyClass)) return;
     const control = node.widgets?.find((w) => w.name === "control_after_generate");

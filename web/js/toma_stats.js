@@ -1,6 +1,7 @@
 // Live stats of the token merge nodes. After each sampling run the server sends the lines twice
 // (nodes/live_stats.py): as the node's progress text, which current front ends render themselves in the
-// classic canvas and in Nodes 2.0, and as a "comfyui_toma.stats" message {node, text, lines, summary}.
+// classic canvas and in Nodes 2.0, and as a "comfyui_toma.stats" message {node, prompt_id, text, lines,
+// summary}.
 // From that message this extension
 // - keeps the progress text on the node after the prompt ends (front ends that clear it then get it back,
 //   from their own "progress_text" event, until the next prompt);
@@ -131,7 +132,7 @@ function restoreProgressText() {
 }
 
 app.registerExtension({
-  name: "comfyui_toma.stats",
+  name: "comfyuitomatokenmerging.stats",
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!NODE_TYPES.has(nodeData.name)) return;

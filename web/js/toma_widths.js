@@ -22,7 +22,7 @@ function widthForTextWidgets(node) {
 }
 
 app.registerExtension({
-  name: "comfyui_toma.widths",
+  name: "comfyuitomatokenmerging.widths",
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!NODE_TYPES.has(nodeData.name)) return;
