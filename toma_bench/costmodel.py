@@ -98,7 +98,7 @@ SPECS = {s.name: s for s in (
     Spec("wan_720p", "Wan 2.1 14B 1280x720 x 81 frames (75,600 video + 512 text tokens), CFG 5",
          "WAN21_T2V", WAN_14B, (1, 16, 21, 90, 160), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
     # the 2026 families (ComfyUI v0.3.75 and later); Z-Image-Turbo samples in 8 steps without CFG
-    Spec("z_image_turbo", "Z-Image-Turbo 1024x1024 (4096 image + 128 text tokens), 8 steps, CFG 1", "ZImage",
+    Spec("z_image_turbo", "Z-Image-Turbo 1024x1024 (4096 image + 128 text tokens), CFG 1", "ZImage",
          models.Z_IMAGE_FULL, (1, 16, 128, 128), _text(2560, 128), steps=8, cfg=1.0),
     Spec("flux2", "FLUX.2 [dev] 1024x1024 (4096 image + 512 text tokens), CFG 1 (guidance 4)", "Flux2",
          models.FLUX2_FULL, (1, 128, 64, 64), _text(15360, 512, guidance=4.0, pooled_output=None), cfg=1.0),
