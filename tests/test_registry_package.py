@@ -128,24 +128,12 @@ def dead_links(page: str, root: Path, names: set[str]) -> list[str]:
     return problems
 
 
-# docs/benchmarks.md (the lead's, being rewritten) links its picture grids and the proxies' model card,
-# which the zip leaves out; strict, so the mark must go when the page is mended.
-BENCHMARKS_PAGE = pytest.param("docs/benchmarks.md", marks=pytest.mark.xfail(
-    strict=True, reason="links docs/*_samples.png and ../toma_bench/proxies/README.md, left out of the zip"))
-
-
 @needs_comfy_cli
 def test_shipped_pages_link_only_to_shipped_files(checkout, packed):
-    pages = sorted(name for name in packed if name.endswith(".md") and name != "docs/benchmarks.md")
-    assert "README.md" in pages and "docs/architecture.md" not in packed
+    pages = sorted(name for name in packed if name.endswith(".md"))
+    assert {"README.md", "docs/benchmarks.md"} <= set(pages) and "docs/architecture.md" not in packed
 
     assert [problem for page in pages for problem in dead_links(page, checkout, packed)] == []
-
-
-@needs_comfy_cli
-@pytest.mark.parametrize("page", [BENCHMARKS_PAGE])
-def test_benchmarks_page_links_only_to_shipped_files(checkout, packed, page):
-    assert dead_links(page, checkout, packed) == []
 
 
 @needs_comfy_cli
