@@ -61,9 +61,13 @@ def test_a_run_on_a_tiny_proxy_prints_every_variant_and_draws(comfy, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "command: python -m toma_bench.curves --arch sd15 --set toma --side 8 --batch 1 --steps 3" in out
-    rows = {m.group(1).strip(): m.group(2) for m in re.finditer(r"^(\S.*?)\s{2,}\d+\.\d\d\s+.*?\s(inf|\d+\.\d\d)\s+\d\.\d{4}\s+\d\.\d{4}$",
-                                                                 out, re.M)}
-    assert rows["unpatched"] == "inf"
+    # variant, modelled h200 speed-up (SD1.5 at real size, the default speed axis), FLOPs saved, PSNR, SSIM, ...
+    found = {m.group(1).strip(): m.groups()[1:] for m in re.finditer(
+        r"^(\S.*?)\s{2,}(\d+\.\d{3})x\s+(\d+\.\d)%\s+(inf|\d+\.\d\d)\s+\d\.\d{4}\s+\d\.\d{4}\s", out, re.M)}
+    rows = {label: psnr for label, (_, _, psnr) in found.items()}
+    assert rows["unpatched"] == "inf" and found["unpatched"][:2] == ("1.000", "0.0")
+    assert float(found["ToMA defaults r=0.75"][1]) > float(found["ToMA defaults r=0.5"][1]) > 0  # FLOPs saved
+    assert "speed axis: modelled h200 (SD1.5 512x512" in out
     labels = [v.label for v in curves.toma_settings(FakeToMANodes, "sd15")]
     assert set(rows) == set(labels)
     assert math.isfinite(float(rows["ToMA defaults r=0.75"]))  # merging moved the pictures
