@@ -198,10 +198,11 @@ def test_sag_block_is_left_alone(pack, unet, scope, caplog):
 
 @pytest.mark.parametrize("scope", ["attention", "block"])
 def test_identity_merge_equals_unpatched(pack, unet, scope):
-    """Window 1: every token is its own destination, so merging changes nothing (the March-2024 block
-    adds its attention outputs in place: the block scope must not lose them)."""
+    """Window 2 at ratio 0.1: every token is a destination, so merging only permutes the tokens and
+    changes nothing (the March-2024 block adds its attention outputs in place: the block scope must not
+    lose them). Window 1 would merge nothing at all (it says so: test_merge_map)."""
     reference = sample(unet, steps=1)
-    patched = toma(unet, window_size=1, scope=scope, levels="all")
+    patched = toma(unet, ratio=0.1, window_size=2, scope=scope, levels="all")
 
     out = sample(patched, steps=1)
 
