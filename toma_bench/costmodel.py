@@ -364,12 +364,10 @@ def price(recorded: list[Recorded], hw: Hardware, how: str, sweep: bool) -> list
     base_flops = sum(op.flops for ops in base.calls for op in ops) / base.steps
     ranges = {}
     if sweep:
-        profiles = [p for _, p in swept(hw)]
-        hows = [(hw, "additive" if how == "pipelined" else "pipelined")]
+        settings = [(p, how) for _, p in swept(hw)] + [(hw, "additive" if how == "pipelined" else "pipelined")]
+        base_steps = [per_step(base, p, h)[1] for p, h in settings]  # once per setting, not per variant
         for r in recorded:
-            ups = []
-            for p, h in [(p, how) for p in profiles] + hows:
-                ups.append(per_step(base, p, h)[1] / per_step(r, p, h)[1])
+            ups = [b / per_step(r, p, h)[1] for b, (p, h) in zip(base_steps, settings)]
             ranges[r.label] = (min(ups), max(ups))
     rows = []
     for r in recorded:

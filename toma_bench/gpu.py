@@ -403,13 +403,11 @@ def spec_of(name: str, scale: Scale):
                           lambda: conditioning(name, scale), scale.steps, scale.cfg, unet=name == "sdxl")
 
 
-def predict(name: str, scale: Scale, variants, pack, hw, log) -> list:
-    """The cost model's recordings of ``variants`` of ``name`` as this benchmark runs them, and their
-    prices on ``hw``."""
-    spec = spec_of(name, scale)
-    recorded = costmodel.record_model(spec, pack, scale.steps, [costmodel.Variant(v.label, v.patch) for v in variants],
-                                      progress=log)
-    return recorded
+def predict(name: str, scale: Scale, variants, pack, log) -> list:
+    """The cost model's recordings of ``variants`` of ``name`` as this benchmark runs them (priced by
+    priced_rows)."""
+    return costmodel.record_model(spec_of(name, scale), pack, scale.steps,
+                                  [costmodel.Variant(v.label, v.patch) for v in variants], progress=log)
 
 
 def sample(model, scale: Scale, job) -> None:
@@ -580,7 +578,7 @@ def main(argv=None) -> None:
     variants = {name: sdxl_variants(pack) if name == "sdxl" else flux_variants(pack) for name in todo}
     recordings = {}
     for name in todo:  # every prediction is written before anything is measured
-        recordings[name] = predict(name, sizes[name], variants[name], pack, hw, log)
+        recordings[name] = predict(name, sizes[name], variants[name], pack, log)
         results.predictions[name] = priced_rows(recordings[name], hw)
         results.write()
     if args.predict_only:

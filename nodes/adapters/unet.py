@@ -13,6 +13,7 @@ cross-attention and feed-forward all run on merged tokens, and the block's updat
 full-resolution residual stream.
 Object patches of a module's ``forward`` leave the module itself untouched, so LoRA keys stay valid.
 """
+import functools
 import inspect
 import logging
 import math
@@ -244,6 +245,16 @@ class UNetPatch:
         return True
 
 
+@functools.lru_cache(maxsize=8)
+def accepted_keywords(fn) -> frozenset | None:
+    """The keyword names ``fn`` takes (None: any, it has **kwargs); read once per function, not per block
+    call (the March-2024 attention functions take neither attn_precision nor transformer_options)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
+
+
 def proportional_attention(attention, queries, keys, log_mass, kwargs):
     """What ComfyUI's CrossAttention ``attention`` computes for ``queries`` over ``keys`` (and values
     from them), with each key's logits raised by its ``log_mass`` (B, N'): its own projections, the bias
@@ -254,11 +265,10 @@ def proportional_attention(attention, queries, keys, log_mass, kwargs):
     q, k, v = attention.to_q(queries), attention.to_k(keys), attention.to_v(keys)
     heads, d = attention.heads, q.shape[-1] // attention.heads
     q, k, v = with_key_bias(q, k, v, log_mass, heads)
-    accepted = inspect.signature(comfy_attention.optimized_attention).parameters
     extra = {"attn_precision": getattr(attention, "attn_precision", None),
              "transformer_options": kwargs.get("transformer_options", {})}
-    extra = {k: v for k, v in extra.items() if k in accepted or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())}
+    accepted = accepted_keywords(comfy_attention.optimized_attention)
+    extra = {k: v for k, v in extra.items() if accepted is None or k in accepted}
     out = comfy_attention.optimized_attention(q, k, v, heads, **extra)
     return attention.to_out(without_padding(out, heads, d))
 
