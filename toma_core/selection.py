@@ -73,6 +73,10 @@ def select_by_similarity(sim, k, valid=None, generator=None) -> torch.Tensor:
 
 
 def _greedy(sim, k, valid, sample_size, generator):
+    """Every set's k picks at once. A pick costs a handful of kernels (the loop runs k times per plan, and
+    on a fast GPU the host's launches, not the arithmetic, are the cost): non-candidates carry a -inf
+    penalty instead of a mask, the running best (value and index) comes from one max, and a set whose
+    valid tokens are all picked is told apart after the loop by its -inf gains."""
     *batch, S, S2 = sim.shape
     if S != S2:
         raise ValueError(f"sim must be square in its last two dims, got {tuple(sim.shape)}")
@@ -80,29 +84,30 @@ def _greedy(sim, k, valid, sample_size, generator):
         raise ValueError(f"k must be in [1, {S}], got {k}")
     sim = sim.reshape(-1, S, S)
     P = sim.shape[0]
-    if valid is None:
-        candidate = torch.ones(P, S, dtype=torch.bool, device=sim.device)
-    else:
-        candidate = valid.to(device=sim.device, dtype=torch.bool).expand(*batch, S).reshape(P, S).clone()
+    penalty = sim.new_zeros(P, S)
+    if valid is not None:
+        candidate = valid.to(device=sim.device, dtype=torch.bool).expand(*batch, S).reshape(P, S)
         sim = sim * candidate[:, None, :]  # padding needs no covering
+        penalty.masked_fill_(~candidate, float("-inf"))
     cover = sim.new_zeros(P, S)
-    picks = torch.empty(P, k, dtype=torch.long, device=sim.device)
-    slots = torch.arange(S, device=sim.device)
-    rows = torch.arange(P, device=sim.device)
+    rows = sim.view(P * S, S)
+    row_of_set = torch.arange(0, P * S, S, device=sim.device)
+    gains, picks = [], []
     for i in range(k):
         if sample_size is None:
-            gain = (sim - cover[:, None, :]).clamp_min_(0.0).sum(-1)
-            gain.masked_fill_(~candidate, -1.0)
-            best = gain.argmax(-1)
+            gain, best = ((sim - cover[:, None, :]).clamp_min_(0.0).sum(-1) + penalty).max(-1)
         else:
-            keys = torch.rand(P, S, device=sim.device, generator=generator).masked_fill_(~candidate, -1.0)
+            keys = torch.rand(P, S, device=sim.device, generator=generator) + penalty
             cand = keys.topk(sample_size, dim=-1).indices  # (P, R)
-            rows_sim = sim[rows[:, None], cand]  # (P, R, S)
-            gain = (rows_sim - cover[:, None, :]).clamp_min_(0.0).sum(-1)
-            gain.masked_fill_(~candidate.gather(1, cand), -1.0)
-            best = cand.gather(1, gain.argmax(-1, keepdim=True)).squeeze(1)
-        ok = candidate[rows, best]
-        picks[:, i] = torch.where(ok, best, -1)
-        candidate &= slots[None, :] != best[:, None]
-        cover = torch.maximum(cover, sim[rows, best] * ok[:, None])
+            cand_rows = rows.index_select(0, (cand + row_of_set[:, None]).view(-1)).view(P, sample_size, S)
+            gain = (cand_rows - cover[:, None, :]).clamp_min_(0.0).sum(-1) + penalty.gather(1, cand)
+            gain, at = gain.max(-1)
+            best = cand.gather(1, at[:, None]).squeeze(1)
+        gains.append(gain)
+        picks.append(best)
+        penalty.scatter_(1, best[:, None], float("-inf"))
+        # a set with no candidate left picks a token it holds already (or padding, whose similarities
+        # add nothing to a cover that is complete): the cover stays as it is
+        cover = torch.maximum(cover, rows.index_select(0, best + row_of_set))
+    picks = torch.stack(picks, 1).masked_fill_(torch.stack(gains, 1) == float("-inf"), -1)
     return picks.view(*batch, k)
