@@ -67,6 +67,15 @@ FLUX_TINY = dict(models.FLUX_TINY, guidance_embed=False)
 WAN_PROXY = dict(models.WAN_1_3B, dim=128, ffn_dim=512, num_heads=2, num_layers=3, text_dim=64, text_len=8)
 WAN_TINY = dict(models.WAN_TINY, num_layers=2, text_dim=16, text_len=8)
 WAN_FRAMES = 4  # latent (and pixel) frames of a training clip
+# SDXL layout (no attention at 1/1; attention at 1/2 and, deeper, at 1/4; linear projections in the
+# transformers), scaled down: SDXL's depths 2 and 10 (middle 10) become 1 and 2 (middle 1), its widths
+# 320/640/1280 32/64/64 (the proxies share a 32 MB budget). Trained on 64x64 latents, so its levels 1/2
+# and 1/4 hold 32x32 and 16x16 tokens (SDXL at 1024x1024: 64x64 and 32x32).
+SDXL_PROXY = dict(SD15_PROXY, model_channels=32, channel_mult=[1, 2, 2], transformer_depth=[0, 1, 2],
+                  transformer_depth_output=[0, 0, 1, 1, 2, 2], transformer_depth_middle=1,
+                  use_linear_in_transformer=True)
+SDXL_TINY = dict(SDXL_PROXY, channel_mult=[1, 1, 1], transformer_depth=[0, 1, 1],
+                 transformer_depth_output=[0, 0, 1, 1, 1, 1], transformer_depth_middle=1, context_dim=16)
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,13 @@ class Spec:
     lr: float  # default peak learning rate
     steps: int  # default training steps (about 25 minutes of one busy CPU core)
     frames: int | None = None  # frames of a clip for a video model (latents (B, C, frames, H, W)); None: pictures
+    side: int = 32  # latent pixels per side in training, evaluation and samples
+    init: str | None = None  # the proxy (a SPECS key) whose shipped weights training starts from
+    kind: str = ""  # the model kind, arch_of()'s answer ("sd15", "flux", "wan"); "": arch itself
+
+    @property
+    def model_kind(self) -> str:
+        return self.kind or self.arch
 
     @property
     def channels(self) -> int:
@@ -97,8 +113,16 @@ SPECS = {
                  "flux_proxy.safetensors", 8, 6e-4, 1600),
     "wan": Spec("wan", "WAN21_T2V", {"proxy": WAN_PROXY, "tiny": WAN_TINY}, 4, 8, "simple",
                 "wan_proxy.safetensors", 8, 8e-4, 500, frames=WAN_FRAMES),
+    "sdxl": Spec("sdxl", "SD15", {"proxy": SDXL_PROXY, "tiny": SDXL_TINY}, 2, 8, "normal",
+                 "sdxl_proxy.safetensors", 8, 1e-3, 600, side=64, kind="sd15"),
+    # The Flux and Wan proxies fine-tuned on 32x32-token grids (64x64 latents), where a 4x4 window is a
+    # sixty-fourth of the picture, not a sixteenth: the same architecture, so arch_of() still says flux/wan.
+    "flux32": Spec("flux32", "Flux", {"proxy": FLUX_PROXY}, 4, 8, "simple", "flux32_proxy.safetensors", 8, 3e-4,
+                   300, side=64, init="flux", kind="flux"),
+    "wan32": Spec("wan32", "WAN21_T2V", {"proxy": WAN_PROXY}, 4, 8, "simple", "wan32_proxy.safetensors", 4, 4e-4,
+                  120, frames=WAN_FRAMES, side=64, init="wan", kind="wan"),
 }
-LATENT_SIDE = 32  # latent pixels per side in training, evaluation and samples
+LATENT_SIDE = 32  # latent side of the 16x16-token proxies (sd15, flux, wan)
 CODEC_SEED, CONTEXT_SEED = 1234, 4321
 # Model-space latent = DATA_SCALE * orthogonal map of [-1, 1] pixels: the training crops then have an
 # RMS of about 1 per latent element, the scale ComfyUI's schedules assume (SD latents after 0.18215).
@@ -112,7 +136,7 @@ def spec_of(arch: str) -> Spec:
 
 
 def arch_of(model) -> str:
-    """"sd15", "flux" or "wan" for a ModelPatcher built by this module."""
+    """The model kind, "sd15" (any UNet), "flux" or "wan", of a ModelPatcher built by this module."""
     image_model = model.model.model_config.unet_config.get("image_model")
     return {"flux": "flux", "wan2.1": "wan"}.get(image_model, "sd15")
 
@@ -243,7 +267,7 @@ def random_clips(images: list[torch.Tensor], count: int, frames: int, side: int,
 
 def training_pictures(spec: Spec, images: list[torch.Tensor], count: int, generator: torch.Generator) -> torch.Tensor:
     """``count`` random pictures (B, 1, H, W) of the proxy's size, or clips (B, 1, T, H, W) for a video proxy."""
-    side = LATENT_SIDE * spec.block
+    side = spec.side * spec.block
     if spec.frames:
         return random_clips(images, count, spec.frames, side, generator)
     return random_crops(images, count, side, generator)
@@ -261,14 +285,14 @@ def build(arch: str, config: dict, seed: int = 0, dtype: torch.dtype = torch.flo
     spec = spec_of(arch)
     if not hasattr(comfy.supported_models, spec.model_class):
         raise RuntimeError(f"this ComfyUI has no {spec.model_class} model (Flux and Wan exist only in current ComfyUI)")
-    if arch == "flux":
+    if spec.model_kind == "flux":
         model = models.build_flux(seed, dtype, config)
-    elif arch == "wan":
+    elif spec.model_kind == "wan":
         model = models.build_wan("t2v", seed, dtype, config)
     else:
         model = build_sd15(config, seed, dtype)
     if zero_outputs:
-        zero_residual_outputs_(model.model.diffusion_model, arch)
+        zero_residual_outputs_(model.model.diffusion_model, spec.model_kind)
     return model
 
 
@@ -488,12 +512,15 @@ def learning_rate(step: int, steps: int, peak: float) -> float:
 
 def train(arch: str, config: dict, steps: int, batch: int, lr: float, seed: int = 0, log_every: int = 100,
           progress=print):
-    """Train a proxy from its seeded start (build(..., zero_outputs=True)). Returns (ModelPatcher,
-    history): one row per ``log_every`` steps and at the end, {step, train_loss (mean since the last
-    row), heldout_loss, seconds and cpu_seconds (wall and process CPU time of training so far,
-    evaluations excluded)}."""
+    """Train a proxy from its seeded start (build(..., zero_outputs=True)), or from the shipped weights of
+    ``spec.init`` (fine-tuning at another size). Returns (ModelPatcher, history): one row per ``log_every``
+    steps and at the end, {step, train_loss (mean since the last row), heldout_loss, seconds and
+    cpu_seconds (wall and process CPU time of training so far, evaluations excluded)}."""
     spec = spec_of(arch)
-    model = build(arch, config, seed, zero_outputs=True)
+    if spec.init:
+        model = load(PROXY_DIR / spec_of(spec.init).file)
+    else:
+        model = build(arch, config, seed, zero_outputs=True)
     dm = model.model.diffusion_model
     params = [p for p in dm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -508,7 +535,7 @@ def train(arch: str, config: dict, steps: int, batch: int, lr: float, seed: int 
                 group["lr"] = learning_rate(step, steps, lr)
             x0 = encode(training_pictures(spec, images, batch, g), spec.block)
             noise = torch.randn(x0.shape, generator=g)
-            sigma = sigmas_at(model, draw_fractions(arch, batch, g))
+            sigma = sigmas_at(model, draw_fractions(spec.model_kind, batch, g))
             loss = denoising_loss(model, x0, noise, sigma).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -584,6 +611,8 @@ def positive_int(name: str, text: str) -> int:
 
 def run_train(args, argv) -> None:
     spec = spec_of(args.arch)
+    if args.size not in spec.configs:
+        raise SystemExit(f"--size {args.size} is not offered for --arch {args.arch} (it has {', '.join(spec.configs)})")
     config = spec.configs[args.size]
     root = import_comfy()
     out = Path(args.out or PROXY_DIR / spec.file)
@@ -595,6 +624,7 @@ def run_train(args, argv) -> None:
     params = sum(p.numel() for p in model.model.diffusion_model.parameters())
     training = {"steps": steps, "batch": batch, "lr": lr, "seed": args.seed, "size": args.size,
                 "parameters": params, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "latent_side": spec.side, "init": spec.init and spec_of(spec.init).file,
                 "seconds": history[-1]["seconds"], "cpu_seconds": history[-1]["cpu_seconds"], "history": history,
                 "command": "python -m toma_bench.proxy " + " ".join(argv),
                 "train_images": list(TRAIN_IMAGES), "heldout_images": list(HELDOUT_IMAGES)}
@@ -643,7 +673,7 @@ def run_check(args) -> None:
         print(f"  held-out loss: trained {trained:.4f} | random init {random_init:.4f} (trained/random "
               f"{trained / random_init:.3f}) | training start {start:.4f} (trained/start {trained / start:.3f})")
         began = time.perf_counter()
-        samples = sample(model, args.seed, args.samples, args.steps, args.sampler)
+        samples = sample(model, args.seed, args.samples, args.steps, args.sampler, side=spec.side)
         columns = spec.frames or 4  # a clip per row
         grid = out_dir / f"{arch}_samples_{args.sampler}_{args.steps}steps.png"
         save_grid(latent_to_images(model, samples), grid, columns)
