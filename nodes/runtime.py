@@ -74,6 +74,7 @@ class MergeRuntime:
         self.name = strategy.name
         self.clock = RunClock()
         self.plans: dict = {}
+        self.group_destinations: dict = {}  # (group, grid, batch) -> (step, destinations) where blocks share them
         self.generators: dict = {}  # device -> the run's generator, advanced by every plan built
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
@@ -109,6 +110,7 @@ class MergeRuntime:
         host hands them over; ``model_sampling``: the noise schedule of the model being sampled (model
         sampling nodes may sit before or after the merge node), else the patch-time one."""
         self.plans.clear()
+        self.group_destinations.clear()
         self.generators.clear()
         self.failed.clear()
         self.levels.clear()
@@ -191,7 +193,8 @@ class MergeRuntime:
         features: zero-argument callable returning the (B, N, C) features that decide similarity (called
         only when a plan is built). level: the level's name in stats, logs and the merge map; details:
         more about it for the stats (UNet: downsample)."""
-        key = (group if self.strategy.shares_plans else block, tuple(grid), batch_key(x, transformer_options))
+        rows = batch_key(x, transformer_options)
+        key = (group if self.strategy.shares_plans else block, tuple(grid), rows)
         if key in self.failed:
             return None
         where = self.locate(transformer_options)
@@ -212,8 +215,13 @@ class MergeRuntime:
             try:
                 with self.stage_clock.timing("select"):
                     given = None if cached is None or decision.new_destinations else getattr(cached, "destinations", None)
+                    shared = (group, tuple(grid), rows) if getattr(self.strategy, "shares_destinations", False) else None
+                    if given is None and shared is not None and self.group_destinations.get(shared, (None,))[0] == step:
+                        given = self.group_destinations[shared][1]  # another block of the group chose them this step
                     feats = features()
                     plan = self.strategy.build(feats, grid, self.generator(feats.device), given)
+                    if shared is not None and given is None and hasattr(plan, "destinations"):
+                        self.group_destinations[shared] = (step, plan.destinations)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
                 self.failed.add(key)
                 self.notice("%s leaves %s unmerged: it could not build a merge plan for %s (the error is in "

@@ -10,7 +10,8 @@ stats (None: plans may merge).
 ``destinations``: those of the group's last plan, given when the schedule asks for new weights only.
 ``generator``: one per sampling run, advanced by every build (as tomesd advances one generator), so
 every block and step draws new random cells. ``shares_plans``: one plan serves all blocks of a group
-(a UNet level, a DiT block group) in a step, or each block call matches for itself.
+(a UNet level, a DiT block group) in a step, or each block call matches for itself (ToMA's
+``shares_destinations``: with the group's destinations).
 """
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ class ToMA:
     seed: int = 0
     tile_frames: int = 1
     shares_plans: bool = True
+    # where plans are per block: the group's first block chooses the destinations, every block its own
+    # weights (one selection per group instead of one per block)
+    shares_destinations: bool = False
     proportional: bool = False  # merged keys weigh as the tokens they stand for (toma_core.attention)
     name = "ToMA"
     patches_dits = True
