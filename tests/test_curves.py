@@ -50,6 +50,58 @@ def test_unet_methods_sweep_every_baseline_knob():
     assert families.count("ToMA attention") == families.count("ToMA block") == len(curves.RATIOS)
 
 
+def test_sdxl_sets_put_the_baselines_at_half_resolution_and_leave_out_comfyui_tome():
+    """SDXL has no attention at 1/1: ToMeSD and CA-ToMe merge at 1/2 (max_downsample 2), where ToMA's levels
+    "auto" merges; ComfyUI's ToMe, fixed at 1/1, would merge nothing."""
+    for variants in (curves.unet_methods(FakeToMANodes, None, sdxl=True), curves.sdxl_placements(FakeToMANodes)):
+        families = [v.family for v in variants]
+        assert "ComfyUI ToMe" not in families and families.count("ToMeSD") >= 2 and "CA-ToMe" in families
+    seen = {}
+
+    class Recorder:
+        def patch(self, model, ratio, max_downsample=1, **kwargs):
+            seen.setdefault(ratio, []).append(max_downsample)
+            return (model,)
+
+    nodes = type("Nodes", (FakeToMANodes,), {"ToMeSDPatchModel": Recorder, "CAToMePatchModel": Recorder})
+    for v in curves.sdxl_placements(nodes):
+        if v.family in ("ToMeSD", "CA-ToMe"):
+            v.patch("model")
+    assert seen and all(d == [2] * len(d) for d in seen.values())
+
+
+def test_dit_front_offers_the_attention_placement_only_on_images():
+    image = [v.label for v in curves.dit_front(FakeToMANodes, video=False)]
+    video = [v.label for v in curves.dit_front(FakeToMANodes, video=True)]
+    assert image[0] == video[0] == "unpatched" and set(video) < set(image)
+    assert {"ToMA block r=0.5", "ToMA block, start 0.2 r=0.5", "ToMA block, window 8 r=0.75"} <= set(video)
+    assert any(label.startswith("ToMA attention") for label in image)
+    assert not any(label.startswith("ToMA attention") for label in video)
+
+
+@pytest.mark.parametrize("argv, bad", [
+    (["--arch", "flux", "--set", "placements"], "--set placements is for the UNet proxies"),
+    (["--arch", "sdxl", "--set", "front"], "--set front is for the DiT proxies"),
+    (["--arch", "sd15", "--real", "nope"], "--real"),
+])
+def test_cli_refuses_sets_the_proxy_cannot_run(argv, bad, capsys):
+    with pytest.raises(SystemExit):
+        curves.parse_args(argv)
+    assert bad in capsys.readouterr().err
+
+
+def test_cli_defaults_follow_the_proxy():
+    """--side defaults to the proxy's training size, the speed axis to its family's real-size model; the
+    printed command carries --real only where it is not the default."""
+    args = curves.parse_args(["--arch", "flux32"])
+    assert (args.side, args.real) == (64, "flux") and "--real" not in curves.command_line(args)
+    args = curves.parse_args(["--arch", "sdxl", "--set", "placements"])
+    assert (args.side, args.real) == (64, "sdxl")
+    args = curves.parse_args(["--arch", "flux32", "--set", "fewsteps", "--steps", "8", "--real", "z_image_turbo"])
+    assert args.side == 64 and curves.command_line(args).endswith("--real z_image_turbo")
+    assert curves.parse_args(["--arch", "wan"]).side == 32
+
+
 def test_a_run_on_a_tiny_proxy_prints_every_variant_and_draws(comfy, tmp_path):
     model = proxy.build("sd15", proxy.SD15_TINY, seed=0)  # random weights: merging changes pixels
     proxy.save(model, tmp_path / "tiny.safetensors", proxy.SD15_TINY, {"size": "tiny", "steps": 0})

@@ -107,6 +107,7 @@ SPECS = {s.name: s for s in (
          cfg=6.0),
 )}
 UNET_MODELS = ("sd15", "sdxl")
+UNET_LEVEL_TOKENS = 64 * 64  # of the level the baselines merge: 1/1 of SD1.5 at 512, 1/2 of SDXL at 1024
 
 
 def build_meta(spec: Spec):
@@ -154,9 +155,10 @@ def variants_for(name: str, pack) -> list[Variant]:
     express, and the baselines where they apply (UNets)."""
     tn = pack.nodes.toma_nodes
     basic, advanced = tn.ToMAPatchModel(), tn.ToMAPatchModelAdvanced()
-    w, reuse = tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE
+    w, reuse = 4, tn.DEFAULT_REUSE  # every row but the node default's names window 4
     out = [Variant("unpatched", lambda m: m),
-           Variant(f"ToMA default (r={tn.DEFAULT_RATIO:g})", lambda m: basic.patch(m, tn.DEFAULT_RATIO, w, reuse)[0])]
+           Variant(f"ToMA default (r={tn.DEFAULT_RATIO:g})",
+                   lambda m: basic.patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, reuse)[0])]
     if name in UNET_MODELS:
         for scope, levels, r in (("attention", "auto", 0.75), ("block", "auto", 0.5), ("block", "auto+next", 0.5),
                                  ("block", "auto+next", 0.75)):
@@ -166,7 +168,7 @@ def variants_for(name: str, pack) -> list[Variant]:
         down = 1 if name == "sd15" else 2
         out.append(Variant(f"ToMeSD r=0.5 (max_downsample {down})",
                            lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, down)[0]))
-        tokens = 64 * 64  # of the level merged, on both models
+        tokens = UNET_LEVEL_TOKENS
         count = tokens // 2
         out.append(Variant(f"CA-ToMe t=0.7 (count fixed at {count} of {tokens} tokens)",
                            lambda m: tn.CAToMePatchModel().patch(m, 0.7, max_downsample=down)[0], meta_scalar=count))

@@ -1,10 +1,12 @@
 """Speed-vs-fidelity curves on the trained proxies: each method's knob swept, compared at equal speed.
 
-    python -m toma_bench.curves [--arch sd15|flux|wan] [--set methods|toma|placements] [--side 32] [--batch 4]
-                                [--steps 20] [--repeats 5] [--threads 1] [--hardware h200|...|cpu] [--out DIR]
+    python -m toma_bench.curves [--arch sd15|sdxl|flux|flux32|wan|wan32] [--set methods|toma|placements|front|fewsteps]
+                                [--side N] [--batch 4] [--steps 20] [--repeats 5] [--threads 1]
+                                [--hardware h200|...|cpu] [--real MODEL] [--out DIR]
 
-The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x-layout UNet or Flux DiT, trained
-here on photographs), so a merge that damages the model shows in pictures. Every variant is the proxy
+The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x- or SDXL-layout UNet, Flux DiT or
+Wan video DiT, trained here on photographs; flux32 and wan32 on 32x32-token grids), so a merge that
+damages the model shows in pictures. Every variant is the proxy
 patched by the pack's node (or ComfyUI's own ``TomePatchModel``) and draws the same ``--batch`` pictures
 from the same seeded noise through ``comfy.sample.sample`` (euler, the proxy's scheduler, cfg 1: the
 proxies are unconditional, so one model call per step).
@@ -14,7 +16,8 @@ latents. Runs are deterministic (checked: every timed run must reproduce the fir
 bit for bit), so the fidelity columns reproduce to the digit.
 
 Speed, the axis: the cost model's (toma_bench.costmodel) modelled GPU speed-up of the real-size model of
-the proxy's family (SD1.5 512x512, FLUX.1-dev 1024x1024, Wan 2.1 14B 720p) patched with the same setting,
+the proxy's family (SD1.5 512x512, SDXL 1024x1024, FLUX.1-dev 1024x1024, Wan 2.1 14B 720p; ``--real``
+another costmodel row, e.g. z_image_turbo for few-step runs) patched with the same setting,
 for as many steps as the proxy runs, on ``--hardware`` (default h200), with the FLOPs it saves beside
 it: the speed users get, not that of a 1024-token proxy on a CPU. ``--hardware cpu`` makes the CPU time
 the axis again. CPU columns stay: the process CPU time and the wall time of whole sampling runs. After one untimed run per variant
@@ -28,7 +31,9 @@ Sets (``--set``): ``methods`` sweeps each method's knob (ToMA ratio for both sco
 CA-ToMe threshold, ComfyUI's ToMe ratio; on Flux, ToMA's two double-block placements and the
 merge-every-k-th-step schedule; on the Wan video proxy, ToMA's windows over 1 and 2 frames); ``toma``
 varies ToMA's other settings around the node defaults (window size, reuse interval, levels,
-merge-every-k) at ratio 0.5 and 0.75, for choosing the defaults. On wan, ``--batch`` counts clips.
+merge-every-k) at ratio 0.5 and 0.75, for choosing the defaults; ``placements`` (UNets) ToMA's
+placements and fidelity fixes against the baselines; ``front`` (DiTs) the settings around the DiT
+default; ``fewsteps`` (DiTs) start and reuse for few-step runs. On wan, ``--batch`` counts clips.
 Output: a table, a plot (``<out>/curves_<arch>_<set>_<side>.png``: CPU-time speed-up vs PSNR and vs SSIM, a
 line per method) and a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``).
 """
@@ -56,39 +61,67 @@ DEFAULT_OUT = REPO / "docs"
 SEED = 0
 
 
+WINDOW = 4  # of the rows that name no window (the node's window before "auto" chose one per kind of model)
+
+
 def toma(tn, family: str, setting: str, ratio: float, **inputs) -> Variant:
-    """ToMA through its Advanced node: the node's defaults but for ``ratio`` and ``inputs``."""
+    """ToMA through its Advanced node: the node's defaults but for ``ratio`` and ``inputs``; window 4 and
+    scope attention unless named (the node's defaults before the presets per kind of model, so that rows
+    keep their meaning when a preset changes)."""
     node = tn.ToMAPatchModelAdvanced()
-    inputs = {"window_size": tn.DEFAULT_WINDOW, "reuse_interval": tn.DEFAULT_REUSE, **inputs}
+    inputs = {"window_size": WINDOW, "reuse_interval": tn.DEFAULT_REUSE, "scope": "attention", **inputs}
     return Variant(family, setting, lambda m: node.patch(m, ratio, **inputs)[0])
+
+
+def node_default(tn, ratio: float) -> Variant:
+    """The basic ToMA node with its default inputs but ``ratio``: what the model's kind gets by default
+    (nodes/placement.PRESETS)."""
+    return Variant("ToMA node default", f"r={ratio:g}",
+                   lambda m: tn.ToMAPatchModel().patch(m, ratio, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0])
 
 
 RATIOS = (0.25, 0.5, 0.75)
 THRESHOLDS = (0.95, 0.9, 0.8, 0.7, 0.5)
 
 
-def unet_methods(tn, comfy_nodes) -> list[Variant]:
-    """Each method's knob swept; the ToMe baselines at their best faithful setup: the full-resolution
-    level (max_downsample 1, where ToMA's levels "auto" merges too), one generator per run."""
+def tomesd(tn, ratio: float, max_downsample: int) -> Variant:
+    return Variant("ToMeSD", f"r={ratio:g}", lambda m: tn.ToMeSDPatchModel().patch(m, ratio, max_downsample)[0])
+
+
+def catome(tn, threshold: float, max_downsample: int) -> Variant:
+    return Variant("CA-ToMe", f"t={threshold:g}",
+                   lambda m: tn.CAToMePatchModel().patch(m, threshold, max_downsample=max_downsample)[0])
+
+
+def unet_methods(tn, comfy_nodes, sdxl: bool = False) -> list[Variant]:
+    """Each method's knob swept; the ToMe baselines at their best faithful setup: the highest-resolution
+    level with attention (max_downsample 1 on SD1.x, 2 on the SDXL layout: where ToMA's levels "auto"
+    merges too), one generator per run. ComfyUI's ToMe merges only at 1/1 (its max_downsample is fixed
+    at 1), so on the SDXL layout, with no attention there, it merges nothing and is left out."""
+    down = 2 if sdxl else 1
     out = [Variant("unpatched", "", lambda m: m)]
     for scope in ("attention", "block"):
         out += [toma(tn, f"ToMA {scope}", f"r={r:g}", r, scope=scope) for r in RATIOS]
-    out += [Variant("ToMeSD", f"r={r:g}", lambda m, r=r: tn.ToMeSDPatchModel().patch(m, r)[0]) for r in RATIOS]
-    out += [Variant("CA-ToMe", f"t={t:g}", lambda m, t=t: tn.CAToMePatchModel().patch(m, t)[0]) for t in THRESHOLDS]
-    out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: builtin_tome(comfy_nodes, m, r)) for r in RATIOS]
+    out += [tomesd(tn, r, down) for r in RATIOS]
+    out += [catome(tn, t, down) for t in THRESHOLDS]
+    if not sdxl:
+        out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: builtin_tome(comfy_nodes, m, r)) for r in RATIOS]
     return out
 
 
 def toma_settings(tn, arch: str) -> list[Variant]:
-    """ToMA's settings one at a time around the node defaults, at ratios 0.5 and 0.75."""
+    """ToMA's settings one at a time around the node's earlier defaults (attention on UNets, whole blocks
+    on DiTs, window 4, reuse 5), at ratios 0.5 and 0.75."""
     out = [Variant("unpatched", "", lambda m: m)]
+    unet = proxy.spec_of(arch).model_kind == "sd15"
+    scope = "attention" if unet else "block"
     for r in (0.5, 0.75):
-        out.append(toma(tn, "ToMA defaults", f"r={r:g}", r))
-        out += [toma(tn, f"ToMA window {w}", f"r={r:g}", r, window_size=w) for w in (2, 8)]
-        out += [toma(tn, f"ToMA reuse {k}", f"r={r:g}", r, reuse_interval=k) for k in (1, 10)]
-        if arch == "sd15":
+        out.append(toma(tn, "ToMA defaults", f"r={r:g}", r, scope=scope))
+        out += [toma(tn, f"ToMA window {w}", f"r={r:g}", r, window_size=w, scope=scope) for w in (2, 8)]
+        out += [toma(tn, f"ToMA reuse {k}", f"r={r:g}", r, reuse_interval=k, scope=scope) for k in (1, 10)]
+        if unet:
             out.append(toma(tn, "ToMA levels auto+next", f"r={r:g}", r, levels="auto+next"))
-        out.append(toma(tn, "ToMA merge every 2", f"r={r:g}", r, merge_every=2))
+        out.append(toma(tn, "ToMA merge every 2", f"r={r:g}", r, merge_every=2, scope=scope))
     return out
 
 
@@ -96,7 +129,8 @@ def placements(tn, comfy_nodes) -> list[Variant]:
     """ToMA's placements and fidelity fixes (per-block plans, proportional attention, window 8, the first
     20% of the schedule unmerged) against today's placement and the baselines that merge at 1/1."""
     out = [Variant("unpatched", "", lambda m: m)]
-    out += [toma(tn, "ToMA attention", f"r={r:g}", r) for r in RATIOS]
+    out += [node_default(tn, r) for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA attention", f"r={r:g}", r, scope="attention") for r in RATIOS]
     fixed = {"plan_per_block": True, "proportional_attention": True}
     out.append(toma(tn, "ToMA attention, proportional", "r=0.5", 0.5, proportional_attention=True))
     out.append(toma(tn, "ToMA attention, proportional, window 8", "r=0.75", 0.75, proportional_attention=True,
@@ -109,6 +143,9 @@ def placements(tn, comfy_nodes) -> list[Variant]:
                     window_size=8, proportional_attention=True))
     out.append(toma(tn, "ToMA keys/values, per block, proportional, window 8, weights every 5", "r=0.75", 0.75,
                     scope="keys/values", window_size=8, weights_interval=5, **fixed))
+    out += [toma(tn, "ToMA keys/values, per block, shared destinations, proportional, window 8, weights every 5",
+                 f"r={r:g}", r, scope="keys/values", window_size=8, weights_interval=5, shared_destinations=True,
+                 **fixed) for r in (0.75, 0.85)]
     out += [toma(tn, "ToMA keys/values, per block, proportional, window 8, start 0.2", f"r={r:g}", r,
                  scope="keys/values", window_size=8, start_percent=0.2, **fixed) for r in (0.75, 0.85)]
     out += [toma(tn, "ToMA queries, per block, window 8", f"r={r:g}", r, scope="queries", window_size=8,
@@ -118,12 +155,76 @@ def placements(tn, comfy_nodes) -> list[Variant]:
     return out
 
 
+def sdxl_placements(tn) -> list[Variant]:
+    """On the SDXL layout: today's default (attention at 1/2), the levels below it, whole blocks (where the
+    modelled H200 speed is), the fidelity fixes, and the ToMe baselines at 1/2 (ComfyUI's ToMe cannot
+    reach 1/2: unet_methods)."""
+    out = [Variant("unpatched", "", lambda m: m)]
+    nxt, fixed = {"levels": "auto+next"}, {"plan_per_block": True, "proportional_attention": True}
+    out += [node_default(tn, r) for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA attention", f"r={r:g}", r, scope="attention") for r in RATIOS]
+    out += [toma(tn, "ToMA attention, auto+next", f"r={r:g}", r, **nxt) for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA attention, per block, proportional, window 8, auto+next", "r=0.75", 0.75, window_size=8,
+                 **nxt, **fixed)]
+    out += [toma(tn, "ToMA block, auto+next", f"r={r:g}", r, scope="block", **nxt) for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA block, window 8, auto+next", f"r={r:g}", r, scope="block", window_size=8, **nxt)
+            for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA block, auto+next, start 0.2", f"r={r:g}", r, scope="block", start_percent=0.2, **nxt)
+            for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA block", "r=0.5", 0.5, scope="block")]
+    out += [toma(tn, "ToMA keys/values, per block, proportional, window 8", f"r={r:g}", r, scope="keys/values",
+                 window_size=8, **fixed) for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA keys/values, per block, proportional, window 8, auto+next", f"r={r:g}", r,
+                 scope="keys/values", window_size=8, **nxt, **fixed) for r in (0.75, 0.85)]
+    out += [toma(tn, "ToMA keys/values, proportional, window 8, auto+next", "r=0.75", 0.75, scope="keys/values",
+                 window_size=8, proportional_attention=True, **nxt)]
+    shared = {"weights_interval": 5, "shared_destinations": True, **fixed}
+    out += [toma(tn, "ToMA keys/values, per block, shared destinations, proportional, window 8, weights every 5, "
+                 "auto+next", "r=0.75", 0.75, scope="keys/values", window_size=8, **nxt, **shared)]
+    out += [toma(tn, "ToMA block, per block, shared destinations, weights every 5, auto+next", f"r={r:g}", r,
+                 scope="block", plan_per_block=True, shared_destinations=True, weights_interval=5, **nxt)
+            for r in (0.5, 0.75)]
+    out += [tomesd(tn, r, 2) for r in (0.5, 0.75)]
+    out += [catome(tn, t, 2) for t in (0.7, 0.5)]
+    return out
+
+
+def dit_front(tn, video: bool) -> list[Variant]:
+    """Around the DiT default (whole blocks, window 4, reuse 5, every step from the first): the first 20% of
+    the schedule unmerged, window 8, one step in 2, per-block plans; on Flux layouts also the attention-only
+    placement. For choosing each DiT family's default on the GPU clock."""
+    out = [Variant("unpatched", "", lambda m: m), node_default(tn, 0.5)]
+    out += [toma(tn, "ToMA block", f"r={r:g}", r, scope="block") for r in RATIOS]
+    out += [toma(tn, "ToMA block, start 0.2", f"r={r:g}", r, scope="block", start_percent=0.2) for r in RATIOS]
+    out += [toma(tn, "ToMA block, window 8", f"r={r:g}", r, scope="block", window_size=8) for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA block, window 8, start 0.2", f"r={r:g}", r, scope="block", window_size=8,
+                 start_percent=0.2) for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA block, 1 step in 2", f"r={r:g}", r, scope="block", merge_every=2) for r in (0.5, 0.75)]
+    out += [toma(tn, "ToMA block, per block", "r=0.5", 0.5, scope="block", plan_per_block=True)]
+    if not video:
+        out += [toma(tn, "ToMA attention", f"r={r:g}", r, scope="attention") for r in (0.5, 0.75)]
+        out += [toma(tn, "ToMA attention, start 0.2", "r=0.75", 0.75, scope="attention", start_percent=0.2)]
+    return out
+
+
+def few_steps(tn) -> list[Variant]:
+    """For distilled few-step models (Z-Image-Turbo: 8 steps): what start_percent and reuse_interval mean
+    when a run has few steps, at ratios 0.5 and 0.75, whole blocks."""
+    out = [Variant("unpatched", "", lambda m: m), node_default(tn, 0.75)]
+    for r in (0.5, 0.75):
+        out += [toma(tn, f"ToMA block, reuse {k}", f"r={r:g}", r, scope="block", reuse_interval=k) for k in (1, 2, 5)]
+        out += [toma(tn, f"ToMA block, reuse 2, start {p:g}", f"r={r:g}", r, scope="block", reuse_interval=2,
+                     start_percent=p) for p in (0.125, 0.25, 0.4)]
+    return out
+
+
 def video_methods(tn) -> list[Variant]:
     """ToMA on the Wan video proxy (whole blocks merge; the ToMe baselines do not patch DiTs): windows
     over 1 frame (each frame apart, as on images) and over 2 frames (the node's default), at every ratio."""
     out = [Variant("unpatched", "", lambda m: m)]
     for frames in (1, 2):
-        out += [toma(tn, f"ToMA {frames}-frame windows", f"r={r:g}", r, temporal_window=frames) for r in RATIOS]
+        out += [toma(tn, f"ToMA {frames}-frame windows", f"r={r:g}", r, temporal_window=frames, scope="block")
+                for r in RATIOS]
     return out
 
 
@@ -211,15 +312,23 @@ def measure(base, variants: list[Variant], args, pack, progress=print):
 
 
 # The real-size model whose modelled GPU speed is each proxy's speed axis (toma_bench.costmodel.SPECS).
-REAL_SIZE = {"sd15": "sd15", "flux": "flux", "wan": "wan_720p"}
+REAL_SIZE = {"sd15": "sd15", "sdxl": "sdxl", "flux": "flux", "flux32": "flux", "wan": "wan_720p", "wan32": "wan_720p"}
+
+
+def merge_count(row: Row) -> int | None:
+    """CA-ToMe's merge count depends on the data, which the meta device has not: the real-size model gets
+    the share of its merged level's tokens that the proxy run removed (costmodel.UNET_LEVEL_TOKENS)."""
+    if row.variant.family != "CA-ToMe" or row.removed is None:
+        return None
+    return round(row.removed * costmodel.UNET_LEVEL_TOKENS)
 
 
 def gpu_clock(rows: list[Row], pack, args, progress=print) -> None:
     """Fill each row's modelled GPU speed-up and FLOPs saved: the cost model records the real-size model
     of the proxy's family patched with the same setting, for as many steps as the proxy runs."""
-    spec = costmodel.SPECS[REAL_SIZE[args.arch]]
+    spec = costmodel.SPECS[args.real]
     recorded = costmodel.record_model(spec, pack, args.steps,
-                                      [costmodel.Variant(r.variant.label, r.variant.patch) for r in rows],
+                                      [costmodel.Variant(r.variant.label, r.variant.patch, merge_count(r)) for r in rows],
                                       progress=progress)
     for row, priced in zip(rows, costmodel.price(recorded, profile(args.hardware), "pipelined", False)):
         row.gpu_speedup, row.flops_saved = priced.speed_up, priced.flops_saved or 0.0
@@ -300,14 +409,18 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.curves", description=__doc__.split("\n\n")[0])
     # pictures only: the wan proxy samples clips
     ap.add_argument("--arch", choices=list(proxy.SPECS), default="sd15", help="which trained proxy (default sd15)")
-    ap.add_argument("--set", choices=["methods", "toma", "placements"], default="methods",
+    ap.add_argument("--set", choices=["methods", "toma", "placements", "front", "fewsteps"], default="methods",
                     help="methods: every method's knob swept; toma: ToMA's settings around its defaults; "
-                         "placements (sd15): ToMA's placements and fidelity fixes against the baselines")
+                         "placements (UNet proxies): ToMA's placements and fidelity fixes against the baselines; "
+                         "front (DiT proxies): the settings around the DiT default; fewsteps (DiT proxies): "
+                         "start and reuse for few-step runs (use with --steps 8)")
     ap.add_argument("--hardware", default="h200",
                     help="the cost model's GPU profile for the speed axis (toma_bench.gpuclock; default h200); "
                          "'cpu': no cost model, the process CPU time is the axis")
-    ap.add_argument("--side", type=int, default=proxy.LATENT_SIDE,
-                    help=f"latent side (default {proxy.LATENT_SIDE}, the training size)")
+    ap.add_argument("--side", type=int, default=None, help="latent side (default: the proxy's training size)")
+    ap.add_argument("--real", choices=list(costmodel.SPECS), default=None,
+                    help="the real-size model of the speed axis (default: the proxy's family, "
+                         + ", ".join(f"{a} {m}" for a, m in REAL_SIZE.items()) + ")")
     ap.add_argument("--batch", type=int, default=4, help="pictures per run (default 4)")
     ap.add_argument("--steps", type=int, default=20, help="euler steps per run (default 20)")
     ap.add_argument("--repeats", type=int, default=5,
@@ -316,13 +429,19 @@ def parse_args(argv):
     ap.add_argument("--proxy", default=None, help="proxy safetensors (default: the shipped one for --arch)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder of the plot and the picture grid ('' for none)")
     args = ap.parse_args(argv)
+    spec = proxy.spec_of(args.arch)
+    args.side = spec.side if args.side is None else args.side
+    args.real = args.real or REAL_SIZE[args.arch]
     for name in ("side", "batch", "steps", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.repeats < 0:
         ap.error(f"--repeats must be at least 0, got {args.repeats}")
-    if args.set == "placements" and args.arch != "sd15":
-        ap.error("--set placements is for --arch sd15 (the other placements are UNet-only)")
+    unet = spec.model_kind == "sd15"
+    if args.set == "placements" and not unet:
+        ap.error("--set placements is for the UNet proxies, sd15 and sdxl (the other placements are UNet-only)")
+    if args.set in ("front", "fewsteps") and unet:
+        ap.error(f"--set {args.set} is for the DiT proxies (flux, flux32, wan, wan32)")
     if args.hardware != "cpu":
         try:
             profile(args.hardware)
@@ -333,14 +452,16 @@ def parse_args(argv):
 
 def command_line(args) -> str:
     """The command that reproduces this run's numbers (every option that changes them)."""
+    real = "" if args.real == REAL_SIZE[args.arch] else f" --real {args.real}"
     return (f"python -m toma_bench.curves --arch {args.arch} --set {args.set} --side {args.side} --batch {args.batch} "
-            f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --hardware {args.hardware}")
+            f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --hardware {args.hardware}{real}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     # ComfyUI's own nodes (its TomePatchModel) only for the UNet's methods: nothing else needs nodes.py
+    spec = proxy.spec_of(args.arch)
     builtin_nodes = args.arch == "sd15" and args.set in ("methods", "placements")
     root = comfy_host.import_comfy(comfy_host.comfy_root(default=comfy_host.CURRENT_TREE), pytorch_attention=True,
                                    extra_nodes=builtin_nodes)
@@ -350,18 +471,24 @@ def main(argv=None) -> None:
         import nodes as comfy_nodes  # ComfyUI's nodes.py: import_comfy put its tree first on sys.path
 
     tn = pack.nodes.toma_nodes
-    spec = proxy.spec_of(args.arch)
     path = Path(args.proxy or proxy.PROXY_DIR / spec.file)
     base = proxy.load(path)
-    if args.arch == "wan":
-        variants = video_methods(tn) if args.set == "methods" else toma_settings(tn, args.arch)
-    elif args.arch == "flux":
-        variants = dit_methods(tn) if args.set == "methods" else toma_settings(tn, args.arch)
-    elif args.set == "placements":
-        variants = placements(tn, comfy_nodes)
+    kind = spec.model_kind
+    if args.set == "toma":
+        variants = toma_settings(tn, args.arch)
+    elif args.set == "front":
+        variants = dit_front(tn, video=kind == "wan")
+    elif args.set == "fewsteps":
+        variants = few_steps(tn)
+    elif kind == "wan":
+        variants = video_methods(tn)
+    elif kind == "flux":
+        variants = dit_methods(tn)
+    elif args.arch == "sdxl":
+        variants = sdxl_placements(tn) if args.set == "placements" else unet_methods(tn, None, sdxl=True)
     else:
-        variants = unet_methods(tn, comfy_nodes) if builtin_nodes else toma_settings(tn, args.arch)
-    tokens = (args.side // (1 if args.arch == "sd15" else 2)) ** 2 * (spec.frames or 1)
+        variants = placements(tn, comfy_nodes) if args.set == "placements" else unet_methods(tn, comfy_nodes)
+    tokens = (args.side // (1 if kind == "sd15" else 2)) ** 2 * (spec.frames or 1)
     load = os.getloadavg()
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
           f"{os.cpu_count()} CPUs, load {load[0]:.1f}; torch {torch.__version__}, {args.threads} thread(s); ComfyUI "
@@ -377,7 +504,7 @@ def main(argv=None) -> None:
     speed_axis = "process CPU time"
     if args.hardware != "cpu":
         gpu_clock(rows, pack, args, progress=lambda s: print(s, flush=True))
-        spec_title = costmodel.SPECS[REAL_SIZE[args.arch]].title
+        spec_title = costmodel.SPECS[args.real].title
         speed_axis = f"modelled {args.hardware} ({spec_title}, {args.steps} steps)"
         print(f"\nspeed axis: {speed_axis}; toma_bench.costmodel")
     print(table(rows, args.hardware), flush=True)

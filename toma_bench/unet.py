@@ -116,7 +116,7 @@ def builtin_tome(comfy_nodes, model, ratio: float):
 
 
 def toma_variant(toma_nodes, ratio, scope="attention", window=None, reuse=None, levels="auto", setting=None):
-    window = toma_nodes.DEFAULT_WINDOW if window is None else window
+    window = 4 if window is None else window  # the node's window before "auto" chose one per kind of model
     reuse = toma_nodes.DEFAULT_REUSE if reuse is None else reuse
     node = toma_nodes.ToMAPatchModelAdvanced()
     return Variant(f"ToMA {scope}", setting or f"r={ratio:g}",
