@@ -13,6 +13,7 @@ Where keys are merged ("attention", "keys/values"), ``proportional`` attention w
 by the tokens it stands for (toma_core.attention).
 """
 import logging
+from dataclasses import dataclass
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -48,3 +49,58 @@ def resolve(scope: str, family: str, honoured: tuple, auto: str) -> str:
                     ", ".join(honoured), auto)
         return auto
     return scope
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What the basic node, and the Advanced node's scope "auto", use on one kind of model: the placement
+    and the fidelity fixes that go with it, chosen from the speed-vs-fidelity fronts on the GPU clock
+    (docs/benchmarks.md, "The defaults, and why", names the row each one came from). ``levels``,
+    ``weights_interval``, ``start_percent`` and ``merge_every`` are the basic node's; the Advanced node shows them as inputs
+    of its own. ``window_size`` is what the window input's 0 ("auto") means on both nodes."""
+
+    scope: str
+    plan_per_block: bool = False
+    shared_destinations: bool = False
+    proportional: bool = False
+    levels: str = "auto"
+    weights_interval: int = 1
+    start_percent: float = 0.0
+    merge_every: int = 1
+    window_size: int = 4  # what the node's window_size 0 ("auto") means
+
+
+KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image DiTs", "video": "video DiTs"}
+
+
+# Kinds of model: UNets with attention at full resolution (SD1.x/SD2.x), UNets without (SDXL), image
+# DiTs, video DiTs (the adapter says which: its PRESET_KIND, or preset_kind(model) for the UNet).
+PRESETS = {
+    # keys/values at window 8 with per-block weights to the level's destinations and proportional attention:
+    # at ratio 0.75, 39.3 dB at 10.1% of SD1.5's FLOPs saved, where ComfyUI's ToMe r=0.75 keeps 37.8 dB at 9.6%
+    "sd1": Preset(KEYS_VALUES, plan_per_block=True, shared_destinations=True, proportional=True, weights_interval=5,
+                  window_size=8),
+    # attention at 1/2 and 1/4, the first 15% of the schedule unmerged: 1.15x on the H200 clock at ratio 0.75
+    # with more fidelity than attention at 1/2 alone at ratio 0.5 (1.05x)
+    "sdxl": Preset(ATTENTION, levels="auto+next", start_percent=0.15),
+    # whole blocks, the first 40% of the schedule unmerged: on FLUX.1-dev 1.50x on the H200 clock at ratio
+    # 0.75, and 2.6 dB more on the 32x32-token Flux proxy than whole blocks from the first step at 0.5 (1.60x)
+    "dit": Preset(BLOCK, start_percent=0.4),
+    # whole blocks on one step in 2: at ratio 0.75 on Wan 2.1 14B 720p 1.64x on the H200 clock, with 3.4 dB
+    # more on the 32x32-token Wan proxy than whole blocks on every step at 0.5 (2.50x); docs/benchmarks.md
+    # says what a faster setting costs
+    "video": Preset(BLOCK, merge_every=2),
+}
+
+
+def windows_in_words() -> list[tuple[int, str]]:
+    """(window, "SD1.x/SD2.x UNets, ...") for each window the presets use, for the window's tooltip."""
+    windows = {}
+    for kind, preset in PRESETS.items():
+        windows.setdefault(preset.window_size, []).append(KIND_NAMES[kind])
+    return [(w, " and ".join(names) if len(names) < 3 else ", ".join(names)) for w, names in sorted(windows.items())]
+
+
+def auto_in_words() -> str:
+    """What scope "auto" means on each kind of model, for the scope's tooltip."""
+    return ", ".join(f"{preset.scope} on {KIND_NAMES[kind]}" for kind, preset in PRESETS.items())

@@ -18,8 +18,8 @@ log = logging.getLogger("ComfyUI-ToMA")
 CATEGORY = "model_patches/token_merging"
 
 # Defaults chosen from the speed-vs-fidelity curves on the trained proxies (docs/benchmarks.md, "The defaults, and why").
-DEFAULT_RATIO = 0.5
-DEFAULT_WINDOW = 4
+DEFAULT_RATIO = 0.75  # with each kind's preset (placement.PRESETS): docs/benchmarks.md, "The defaults, and why"
+DEFAULT_WINDOW = 0  # auto: the model kind's window (placement.PRESETS)
 DEFAULT_REUSE = 5
 DEFAULT_TEMPORAL_WINDOW = 2  # docs/benchmarks.md, "Windows over video frames"
 
@@ -68,6 +68,15 @@ def model_sampling_of(model):
         return None
 
 
+def preset_of(model) -> placement.Preset:
+    """What "auto" means for ``model``'s kind (placement.PRESETS); a model no adapter serves gets the
+    DiT one, unused: it comes back unpatched."""
+    adapter = adapter_for(model)
+    kind = getattr(adapter, "PRESET_KIND", None) or (adapter.preset_kind(model) if hasattr(adapter, "preset_kind")
+                                                    else "dit")
+    return placement.PRESETS[kind]
+
+
 def watched(patched, runtime: MergeRuntime, unique_id):
     """Make ``runtime`` findable from the patched MODEL (merge map) and report its runs to the node."""
     attach_runtime(patched, runtime)
@@ -109,9 +118,11 @@ MODEL_INPUT = ("MODEL", {"tooltip": "The diffusion model to patch. It is cloned;
 RATIO_INPUT = _float(DEFAULT_RATIO, 0.0, 0.9, 0.05,
                      "Fraction of image tokens removed before attention. 0 = off (output identical to the "
                      "unpatched model); 0.5 is a good balance; above 0.75 quality drops.")
-WINDOW_INPUT = _int(DEFAULT_WINDOW, 1, 32,
+WINDOW_INPUT = _int(DEFAULT_WINDOW, 0, 32,
                     "Side, in tokens, of the local square window inside which destinations are chosen and "
-                    "tokens merged. Small windows keep merges local and selection cheap.")
+                    "tokens merged. Small windows keep merges local and selection cheap. 0 = auto: the "
+                    "model's default (" + ", ".join(f"{w} on {kinds}" for w, kinds in placement.windows_in_words())
+                    + ").")
 REUSE_INPUT = _int(DEFAULT_REUSE, 1, 100,
                    "Steps between destination recomputations; in between, the destinations are reused "
                    "(pattern reuse).")
@@ -145,7 +156,11 @@ class ToMAPatchModel(ModelPatchNode):
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def patch(self, model, ratio, window_size, reuse_interval, unique_id=None):
-        return ToMAPatchModelAdvanced().patch(model, ratio, window_size, reuse_interval, unique_id=unique_id)
+        preset = preset_of(model)
+        return ToMAPatchModelAdvanced().patch(model, ratio, window_size, reuse_interval, levels=preset.levels,
+                                              weights_interval=preset.weights_interval,
+                                              start_percent=preset.start_percent, merge_every=preset.merge_every,
+                                              unique_id=unique_id)
 
 
 class ToMAPatchModelAdvanced(ModelPatchNode):
@@ -170,8 +185,7 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                "the joint attention (the paper's placement) and block the whole block; their "
                                "single blocks, and all blocks of SD3, Qwen-Image, Wan, LTX-Video, Z-Image and "
                                "Lumina 2, always run whole on merged image tokens. auto: "
-                               f"{placement.UNET_AUTO} on UNets, "
-                               f"{placement.DIT_AUTO} on DiTs."}),
+                               + placement.auto_in_words() + "."}),
                 "levels": (list(unet.LEVEL_CHOICES), {
                     "default": "auto",
                     "tooltip": "UNet resolutions to merge, as downsample factors. auto: the highest-resolution "
@@ -199,6 +213,10 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                 "plan_per_block": ("BOOLEAN", {"default": False, "tooltip": "Each block picks destinations and "
                                    "weights from its own input (reused across steps per block); off = one plan "
                                    "per level or block group, built from its first block."}),
+                "shared_destinations": ("BOOLEAN", {"default": False, "tooltip": "With plan_per_block: the "
+                                        "first block of each level or block group chooses the destinations, "
+                                        "each block computes its own weights to them (one selection per level "
+                                        "instead of per block: far fewer GPU kernels, a little less faithful)."}),
                 "proportional_attention": ("BOOLEAN", {"default": False, "tooltip": "UNets, scopes attention "
                                            "and keys/values: a merged key weighs in the softmax as the tokens "
                                            "it stands for (ToMe's proportional attention; fused attention "
@@ -210,15 +228,24 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
     def patch(self, model, ratio, window_size, reuse_interval, scope="auto", levels="auto",
               weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
               temporal_window=DEFAULT_TEMPORAL_WINDOW, merge_every=1, plan_per_block=False,
-              proportional_attention=False, unique_id=None):
+              proportional_attention=False, shared_destinations=False, unique_id=None):
         check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,
                      scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
                      end_percent=end_percent, tau=tau, exact_unmerge=exact_unmerge, temporal_window=temporal_window,
                      merge_every=merge_every, plan_per_block=plan_per_block,
-                     proportional_attention=proportional_attention)
+                     proportional_attention=proportional_attention, shared_destinations=shared_destinations)
+        if window_size == 0:
+            window_size = preset_of(model).window_size
+        if scope == placement.AUTO:
+            preset = preset_of(model)
+            scope = preset.scope
+            plan_per_block = plan_per_block or preset.plan_per_block
+            shared_destinations = shared_destinations or preset.shared_destinations
+            proportional_attention = proportional_attention or preset.proportional
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every))
         strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge,
                                                 tile_frames=int(temporal_window), shares_plans=not plan_per_block,
+                                                shares_destinations=plan_per_block and shared_destinations,
                                                 proportional=proportional_attention)
         return (apply_strategy(model, strategy, levels, scope, unique_id),)
 

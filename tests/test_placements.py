@@ -91,6 +91,45 @@ def test_plans_per_block_are_built_by_each_block(pack, sd15):
     assert counts == [1, blocks_at_full_resolution]
 
 
+def test_shared_destinations_select_once_per_level_and_weigh_per_block(pack, sd15):
+    """With shared_destinations every block of a level merges into the destinations its first block chose,
+    with weights of its own; without plan_per_block the input changes nothing."""
+    model, _ = sd15
+    own, shared = (advanced(pack, model, "keys/values", plan_per_block=True, shared_destinations=s) for s in (False, True))
+    plans = []
+    for patched in (own, shared):
+        sample(patched, steps=1, cfg=1.0)
+        plans.append(list(pack.nodes.runtime.runtime_of(patched).plans.values()))
+    assert len(plans[0]) == len(plans[1]) == 3
+    assert len(pack.nodes.runtime.runtime_of(shared).group_destinations) == 1  # the one level, 1/1
+    first, *others = plans[1]
+    for plan in others:
+        assert torch.equal(plan.destinations, first.destinations)
+        assert not torch.equal(plan.merge_weights, first.merge_weights)
+    assert not torch.equal(plans[0][1].destinations, plans[0][2].destinations)  # each block its own
+    level = advanced(pack, model, "keys/values", shared_destinations=True)
+    assert pack.nodes.runtime.runtime_of(level).strategy == pack.nodes.runtime.runtime_of(
+        advanced(pack, model, "keys/values")).strategy
+
+
+def test_each_kind_of_unet_gets_its_preset_and_the_basic_node_is_advanced_auto(pack, sd15):
+    """SD1.x (attention at 1/1) and SDXL (none there) are told apart; the basic node samples exactly as the
+    Advanced node with scope "auto" and the preset's weights interval and start."""
+    nodes, placement = pack.nodes.toma_nodes, pack.nodes.placement
+    model, _ = sd15
+    sdxl = models.build_unet("sdxl", seed=0)
+    assert nodes.preset_of(model) is placement.PRESETS["sd1"] and nodes.preset_of(sdxl) is placement.PRESETS["sdxl"]
+    preset = placement.PRESETS["sd1"]
+    basic = pack.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, 0.5, 4, 5)[0]
+    auto = advanced(pack, model, "auto", levels=preset.levels, weights_interval=preset.weights_interval,
+                    start_percent=preset.start_percent, merge_every=preset.merge_every)
+    strategy = pack.nodes.runtime.runtime_of(basic).strategy
+    assert strategy == pack.nodes.runtime.runtime_of(auto).strategy
+    assert (not strategy.shares_plans, strategy.shares_destinations, strategy.proportional) == (
+        preset.plan_per_block, preset.plan_per_block and preset.shared_destinations, preset.proportional)
+    assert torch.equal(sample(basic), sample(auto))
+
+
 def test_scope_outside_the_choices_is_refused_naming_it(pack, sd15):
     with pytest.raises(ValueError, match="scope must be one of"):
         advanced(pack, sd15[0], "values")

@@ -12,12 +12,13 @@ what was measured survives a timeout.
 What runs: bf16 weights, PyTorch SDPA attention, batch 1, random weights (nothing can be downloaded) at
 the real sizes, sampled through ComfyUI's own sampler (euler), every variant patched by the pack's nodes:
 - SDXL (full widths and depths) at 1024x1024 (128x128 latent), CFG 5, so each step is one UNet call on
-  the cond and uncond rows: unpatched; ToMA at ratios 0.25/0.5/0.75 with levels auto (1/2) and auto+next
-  (1/2 and 1/4) in scopes attention and block; the keys/values candidate (per-block plans,
-  proportional attention, window 8, r=0.75); ToMeSD at 0.5 on the 1/2 level.
+  the cond and uncond rows: unpatched; the node's default (its SDXL preset); ToMA at ratios 0.25/0.5/0.75
+  with levels auto (1/2) and auto+next (1/2 and 1/4) in scopes attention and block, r=0.5 auto attention
+  being the earlier default; the keys/values candidate (per-block plans, proportional attention, window
+  8, r=0.75); ToMeSD at 0.5 on the 1/2 level.
 - FLUX.1-dev (hidden 3072, 19 double + 38 single blocks) at 1024x1024 (4096 image tokens) with 512 text
-  tokens, CFG 1: unpatched; ToMA at 0.25/0.5/0.75 on the double and single blocks (the adapter's
-  default), and on the single blocks only.
+  tokens, CFG 1: unpatched; the node's default (its image-DiT preset); ToMA at 0.25/0.5/0.75 on the
+  double and single blocks (r=0.5 the earlier default), and on the single blocks only.
 
 First, before anything is measured, the cost model (toma_bench.costmodel) records every variant on the
 meta device exactly as it will run here and writes its predictions (profile from the GPU's name, else
@@ -63,7 +64,7 @@ from .tables import format_cell
 DEFAULT_BUDGET_S = 420  # the kit must finish in 8 minutes on an H100/H200, installs and start-up included
 SEED = 0
 RATIOS = (0.25, 0.5, 0.75)
-WINDOW, REUSE = 4, 5  # the ToMA node's defaults
+WINDOW, REUSE = 4, 5  # of the rows that name the settings (the node's defaults before the presets)
 
 
 @dataclass(frozen=True)
@@ -95,18 +96,25 @@ class Variant:
     profiled: bool = False  # also run once under torch.profiler (the node's default; unpatched always is)
 
 
+def node_default(tn, family: str) -> Variant:
+    """The basic ToMA node with its default inputs (the kind's preset, nodes/placement.PRESETS)."""
+    return Variant(f"ToMA node default (r={tn.DEFAULT_RATIO:g}, {family} preset)",
+                   lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0],
+                   count_syncs=True, profiled=True)
+
+
 def sdxl_variants(pack) -> list[Variant]:
     tn = pack.nodes.toma_nodes
-    out = [Variant("unpatched", lambda m: m)]
+    out = [Variant("unpatched", lambda m: m), node_default(tn, "SDXL")]
     for levels in ("auto", "auto+next"):
         for scope in ("attention", "block"):
             for r in RATIOS:
-                out.append(Variant(f"ToMA r={r:g} {levels} {scope}",
+                old = " (the earlier default)" if (r, levels, scope) == (0.5, "auto", "attention") else ""
+                out.append(Variant(f"ToMA r={r:g} {levels} {scope}{old}",
                                    lambda m, r=r, levels=levels, scope=scope: tn.ToMAPatchModelAdvanced().patch(
                                        m, r, WINDOW, REUSE, scope=scope, levels=levels)[0],
                                    count_syncs=r == 0.5 and (levels, scope) in {("auto", "attention"),
-                                                                               ("auto+next", "block")},
-                                   profiled=(r, levels, scope) == (0.5, "auto", "attention")))
+                                                                               ("auto+next", "block")}))
     # the fidelity fixes' best setting on the SD1.x proxy (docs/benchmarks.md, placements), as a candidate
     out.append(Variant("ToMA r=0.75 keys/values per block proportional window 8",
                        lambda m: tn.ToMAPatchModelAdvanced().patch(m, 0.75, 8, REUSE, scope="keys/values",
@@ -127,13 +135,15 @@ def without_double_blocks(m):
 
 def flux_variants(pack) -> list[Variant]:
     tn = pack.nodes.toma_nodes
-    out = [Variant("unpatched", lambda m: m)]
+    out = [Variant("unpatched", lambda m: m), node_default(tn, "image DiT")]
     for r in RATIOS:
-        out.append(Variant(f"ToMA r={r:g} double+single", lambda m, r=r: tn.ToMAPatchModel().patch(m, r, WINDOW, REUSE)[0],
-                           count_syncs=r == 0.5, profiled=r == 0.5))
+        old = " (the earlier default)" if r == 0.5 else ""
+        out.append(Variant(f"ToMA r={r:g} double+single{old}",
+                           lambda m, r=r: tn.ToMAPatchModelAdvanced().patch(m, r, WINDOW, REUSE, scope="block")[0],
+                           count_syncs=r == 0.5))
     for r in RATIOS:
-        out.append(Variant(f"ToMA r={r:g} single only",
-                           lambda m, r=r: without_double_blocks(tn.ToMAPatchModel().patch(m, r, WINDOW, REUSE)[0])))
+        out.append(Variant(f"ToMA r={r:g} single only", lambda m, r=r: without_double_blocks(
+            tn.ToMAPatchModelAdvanced().patch(m, r, WINDOW, REUSE, scope="block")[0])))
     return out
 
 

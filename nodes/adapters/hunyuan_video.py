@@ -33,6 +33,7 @@ from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, attention_only
                   layout_wrapper, patch_blocks, patched_side, sequence_index, take_rows, take_sequence)
 
 FAMILY = "HunyuanVideo"
+PRESET_KIND = "video"  # placement.PRESETS
 MODULATION_KEYS = ("modulation_dims_img", "modulation_dims")  # double block, single block
 
 

@@ -39,6 +39,7 @@ from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, 
 log = logging.getLogger("ComfyUI-ToMA")
 
 FAMILY = "LTX-Video"
+PRESET_KIND = "video"  # placement.PRESETS
 # Subclasses whose blocks take other inputs, and why they are not patched.
 REFUSED = {
     "LTXAVModel": "LTX-2's blocks take a [video, audio] pair with per-stream RoPE tables, audio-video "

@@ -289,6 +289,11 @@ def supports(model) -> bool:
     return dm is not None and hasattr(dm, "input_blocks") and bool(transformer_blocks(dm))
 
 
+def preset_kind(model) -> str:
+    """"sd1" for a UNet with attention at full resolution (SD1.x/SD2.x), "sdxl" for one without."""
+    return "sd1" if 1 in attention_levels(model.model.diffusion_model) else "sdxl"
+
+
 def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
     """The patched clone of ``model`` (a ComfyUI ModelPatcher). levels: a LEVEL_CHOICES string or a set
     of downsample factors; scope: a placement.SCOPES value, "auto" = "attention" (anything else is a

@@ -48,6 +48,7 @@ from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, 
 log = logging.getLogger("ComfyUI-ToMA")
 
 FAMILY = "Wan 2.1/2.2"
+PRESET_KIND = "video"  # placement.PRESETS
 SERVED = ("T2V, I2V, FLF2V, 2.2 14B high/low-noise, 2.2 5B TI2V, VACE, Camera, Fun with reference latent, "
           "Animate")
 # Variants whose blocks ComfyUI calls in a way merged tokens cannot follow, and why.
