@@ -12,17 +12,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.comfy
 
-# For each adapter module of ADAPTERS, the names users know its models by (what each list must name).
+# For each adapter of ADAPTERS (by its name), the names users know its models by (what each list must name).
 NAMES = {
-    "unet": ("SD1.x", "SD2.x", "SDXL"),
-    "flux": ("Flux", "Flux.2"),
-    "sd3": ("SD3",),
-    "hunyuan_video": ("HunyuanVideo", "HunyuanVideo 1.5"),
-    "ltxv": ("LTX-Video",),
-    "wan": ("Wan",),
-    "qwen_image": ("Qwen-Image",),
-    "chroma": ("Chroma",),
-    "lumina": ("Z-Image", "Lumina 2"),
+    "SD1.x/SD2.x/SDXL UNet": ("SD1.x", "SD2.x", "SDXL"),
+    "Flux": ("Flux", "Flux.2"),
+    "SD3/SD3.5": ("SD3",),
+    "HunyuanVideo": ("HunyuanVideo", "HunyuanVideo 1.5"),
+    "LTX-Video": ("LTX-Video",),
+    "Wan 2.1/2.2": ("Wan",),
+    "Qwen-Image": ("Qwen-Image",),
+    "Chroma": ("Chroma",),
+    "Lumina 2 / Z-Image": ("Z-Image", "Lumina 2"),
 }
 
 
@@ -47,7 +47,7 @@ def lists(pack) -> dict:
 
 
 def test_names_cover_the_registry(pack):
-    registry = {adapter.__name__.rsplit(".", 1)[1] for adapter in pack.nodes.adapters.ADAPTERS}
+    registry = {adapter.name for adapter in pack.nodes.adapters.ADAPTERS}
     assert set(NAMES) == registry
 
 

@@ -176,6 +176,6 @@ def test_unsupported_family_is_returned_unpatched_with_a_message(pack, caplog):
     model = comfy.model_patcher.ModelPatcher(aura.get_model({}), load_device=mm.get_torch_device(),
                                              offload_device=mm.unet_offload_device())
     dit_checks.check_comes_back_unpatched(pack, model, caplog, "AuraFlow is not supported")
-    families = [adapter.FAMILY for adapter in pack.nodes.adapters.ADAPTERS]
+    families = [adapter.name for adapter in pack.nodes.adapters.ADAPTERS]
     assert "Qwen-Image" in families
     assert all(family in caplog.text for family in families)

@@ -100,9 +100,8 @@ def test_node_patches_a_clone_and_leaves_the_input_alone(pack, built):
 @pytest.mark.parametrize("depth,first", [(30, 4), (40, 5), (4, 1)])
 def test_first_blocks_skipped_scale_with_depth(pack, depth, first):
     """Wan 2.1 1.3B and 2.2 5B (30 blocks) skip 4, the 14B models (40 blocks) 5."""
-    group = pack.nodes.adapters.dit.BlockGroup("double_block", "video", depth, None,
-                                               pack.nodes.adapters.dit.SKIP_FRACTION["single"])
-    assert group.merged() == range(first, depth)
+    (group,) = pack.nodes.adapters.families.WAN.groups
+    assert group.merged(depth) == range(first, depth)
 
 
 def test_ratio_zero_is_identical_to_unpatched(pack, built):
@@ -295,6 +294,6 @@ def test_real_480p_latent_with_tiny_width(pack):
 @pytest.mark.parametrize("variant,why", [("s2v", "without transformer_options"), ("humo", "equal runs per frame")])
 def test_unserved_variants_come_back_unpatched(pack, variant, why, caplog):
     model = models.build_wan(variant, seed=9)
-    assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.wan
+    assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.families.WAN
     dit_checks.check_comes_back_unpatched(pack, model, caplog, why)
     assert pack.nodes.adapters.wan.SERVED in caplog.text
