@@ -7,7 +7,8 @@ The checks: ratio 0 is bit-identical to the unpatched model; merging into every 
 destination) reproduces it; ratio 0.5 merges half of each block group's grid on odd, non-square and
 square sizes, batch 1 and 2, short and long text, 1, 5 and 9 latent frames for video, and the stats name
 exactly those grids; a LoRA applies on either side of the node; the input model is untouched; no state
-leaks from one run into the next; of two stacked token merge nodes the nearer one merges.
+leaks from one run into the next; of two stacked token merge nodes the nearer one merges, and the
+stats of the other say which node took its blocks.
 """
 import math
 from dataclasses import dataclass
@@ -246,8 +247,8 @@ def test_no_state_leaks_between_runs(pack, row, model):
 @every_family
 def test_two_stacked_nodes_the_nearer_merges_and_each_says_what_it_merged(pack, row, model, sent):
     """Two ToMA nodes on one model: the one nearer the sampler merges every block both would (the stack
-    samples as that node alone) and its stats name the grids it merged. The other node's own model still
-    merges by itself."""
+    samples as that node alone), its stats name the grids it merged, and the other node's stats name the
+    node that took its blocks. The other node's own model still merges by itself."""
     node = pack.nodes.toma_nodes.ToMAPatchModel()
     (inner,) = node.patch(model, 0.75, 4, 5, unique_id="inner")
     (outer,) = node.patch(inner, 0.25, 4, 5, unique_id="outer")
@@ -260,6 +261,8 @@ def test_two_stacked_nodes_the_nearer_merges_and_each_says_what_it_merged(pack, 
     lines = {data["node"]: data["lines"] for _, data, _ in sent}
     expected = levels(pack, row, model)
     assert [line.split(":")[0] for line in lines["outer"][:-1]] == expected
+    assert lines["inner"][:-1] == [f"{level}: left to the ToMA node nearer the sampler, which took its blocks"
+                                   for level in expected]
     sent.clear()
     sample(row, inner)
     (inner_lines,) = [data["lines"] for _, data, _ in sent if data["node"] == "inner"]

@@ -347,11 +347,21 @@ class DiTPatch:
     def __init__(self, runtime: MergeRuntime, attention_only: bool = False):
         self.runtime = runtime
         self.attention_only = attention_only
+        self.taken_from: dict[str, list] = {}  # group -> runtimes of earlier token merge nodes whose blocks this took
+
+    def took(self, group: str, previous: MergeRuntime) -> None:
+        """Note that blocks of ``group`` patched by the earlier token merge node ``previous`` merge here
+        instead: each run that merges the group tells ``previous`` (its stats name this node)."""
+        if previous not in self.taken_from.setdefault(group, []):
+            self.taken_from[group].append(previous)
 
     def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict):
+        level = f"{group} {'x'.join(map(str, grid))}"
+        for previous in self.taken_from.get(group, ()):
+            previous.leave(level, options, lambda: f"the {self.runtime.name} node nearer the sampler",
+                           "took its blocks")
         return self.runtime.plan(("dit", group), ("dit", group), grid, tokens,
-                                 lambda: F.layer_norm(tokens, tokens.shape[-1:]), options,
-                                 f"{group} {'x'.join(map(str, grid))}")
+                                 lambda: F.layer_norm(tokens, tokens.shape[-1:]), options, level)
 
     def pe_axis_of(self, args: dict) -> int:
         """The token axis of this call's RoPE table (a family whose tables changed layout reads it here)."""

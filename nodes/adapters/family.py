@@ -18,7 +18,8 @@ Interception:
 
 Stacked token merge nodes: the nearer node's patch replaces an earlier node's patch of the same block
 (that node's runtime is found through the patch), so the node nearer the sampler merges where both
-would, as on UNets. Other nodes' replace patches keep their blocks.
+would, as on UNets; the earlier node's stats name the node that took its blocks (``DiTPatch.taken_from``
+-> ``MergeRuntime.leave``). Other nodes' replace patches keep their blocks.
 """
 import importlib
 import logging
@@ -167,6 +168,7 @@ class DiTFamily:
                         left.append(f"{g.hook} {i}")
                         continue
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
+                    blocks.took(g.group, previous)
                 m.set_model_patch_replace(getattr(blocks, g.handler), "dit", g.hook, i)
                 merged.append(f"{g.hook} {i}")
         return merged, left, retaken
@@ -184,6 +186,7 @@ class DiTFamily:
                 if earlier is not None:
                     current, previous = earlier
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
+                    blocks.took(g.group, previous)
                 m.add_object_patch(key, types.MethodType(getattr(blocks, g.handler)(current), layers[i]))
                 merged.append(f"{g.hook} {i}")
         return merged, [], retaken
