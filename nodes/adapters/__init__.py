@@ -11,6 +11,7 @@ The UNet adapter is a module (unet.py); every DiT family is a declaration (famil
 families.py. Adding a DiT family is its row there and in DIT_FAMILIES, its model builder and conformance
 row in the tests, and its README row.
 """
+from .. import placement
 from . import unet
 from .families import DIT_FAMILIES
 
@@ -39,3 +40,12 @@ def adapter_for(model):
 def supported_families() -> str:
     return ", ".join(adapter.name for adapter in ADAPTERS)
 
+
+def family_names(video: bool) -> list[str]:
+    """The names users know the image (``video`` False) or video DiTs by, in registry order."""
+    return [n for family in DIT_FAMILIES if family.video == video for n in family.names]
+
+
+def attention_placement_families() -> list[str]:
+    """The DiT families whose double blocks can merge only their joint attention (scope "attention")."""
+    return [family.name for family in DIT_FAMILIES if placement.ATTENTION in family.placements]
