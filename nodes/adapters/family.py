@@ -25,8 +25,8 @@ import importlib
 import logging
 import operator
 import types
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .. import placement
 from ..host import WRAPPER_KEY, install_run_hooks, original_attr
@@ -82,7 +82,7 @@ class DiTFamily:
     intercept: str = REPLACE
     placements: tuple[str, ...] = (placement.BLOCK,)
     never_merged: str = "text"
-    unserved: Callable | None = field(default=None)
+    unserved: Callable | None = None
 
     def model_type(self):
         """The diffusion model class, or None where this ComfyUI has none."""
