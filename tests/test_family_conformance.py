@@ -30,7 +30,8 @@ class Row:
     latents are (B, ``channels``, [frames,] H, W), with a frames axis for ``video`` and ``frame_axis``
     (Qwen-Image: one Wan-VAE frame), ``patch`` latent pixels a token per side; ``sizes`` {"odd": odd and
     non-square, "square": ...} in latent pixels; ``texts`` (short, long) text lengths; ``lora_key`` a
-    weight inside a merged block."""
+    weight inside a merged block; ``bound`` the relative L2 ratio 0.5 stays under (2 steps of the random
+    model: a few times what was measured)."""
 
     family: str
     host: str
@@ -42,6 +43,7 @@ class Row:
     sizes: dict
     texts: tuple
     lora_key: str
+    bound: float = 0.25
     video: bool = False
     frame_axis: bool = False
 
@@ -67,25 +69,25 @@ ROWS = {
                "diffusion_model.joint_blocks.1.x_block.mlp.fc2.weight"),
     "chroma": Row("CHROMA", "Chroma", CURRENT, lambda: models.build_chroma(seed=21),
                   text(models.CHROMA_TINY["context_in_dim"], pooled_output=None), 16, 2, IMAGE, (77, 512),
-                  "diffusion_model.single_blocks.2.linear2.weight"),
+                  "diffusion_model.single_blocks.2.linear2.weight", bound=0.15),
     "qwen_image": Row("QWEN_IMAGE", "QwenImage", CURRENT, lambda: models.build_qwen_image(seed=11),
                       text(models.QWEN_IMAGE_TINY["joint_attention_dim"]), 16, 2, IMAGE, (77, 512),
-                      "diffusion_model.transformer_blocks.2.img_mlp.net.2.weight", frame_axis=True),
+                      "diffusion_model.transformer_blocks.2.img_mlp.net.2.weight", bound=0.05, frame_axis=True),
     "lumina2": Row("LUMINA", "Lumina2", CURRENT, lambda: models.build_nextdit(models.LUMINA2_TINY, seed=41),
                    nextdit_text(models.LUMINA2_TINY), 16, 2, IMAGE, (23, 40),
                    "diffusion_model.layers.2.attention.qkv.weight"),
     "hunyuan_video": Row("HUNYUAN_VIDEO", "HunyuanVideo", CURRENT, lambda: models.build_hunyuan_video(seed=1),
                          lambda b, t, s: models.video_conditioning("hunyuan_video", models.HUNYUAN_VIDEO_TINY, b, t, s),
                          16, 2, {"odd": (14, 22), "square": (12, 12)}, (77, 512),
-                         "diffusion_model.single_blocks.1.linear1.weight", video=True),
+                         "diffusion_model.single_blocks.1.linear1.weight", bound=0.1, video=True),
     "ltxv": Row("LTXV", "LTXV", CURRENT, lambda: models.build_ltxv(seed=1),
                 lambda b, t, s: models.video_conditioning("ltxv", models.LTXV_TINY, b, t, s),
                 models.LTXV_TINY["in_channels"], 1, {"odd": (7, 11), "square": (8, 8)}, (128, 512),
-                "diffusion_model.transformer_blocks.2.attn1.to_v.weight", video=True),
+                "diffusion_model.transformer_blocks.2.attn1.to_v.weight", bound=0.1, video=True),
     "wan": Row("WAN", "WAN21_T2V", CURRENT, lambda: models.build_wan("t2v", seed=1),
                lambda b, t, s: models.wan_conditioning(models.WAN_TINY, b, t, s), 16, 2,
                {"odd": (13, 19), "square": (12, 16)}, (77, 512), "diffusion_model.blocks.2.self_attn.v.weight",
-               video=True),
+               bound=0.1, video=True),
     "z_image": Row("LUMINA", "ZImage", NEWEST, lambda: models.build_nextdit(models.Z_IMAGE_TINY, seed=42),
                    nextdit_text(models.Z_IMAGE_TINY), 16, 2, IMAGE, (23, 40),
                    "diffusion_model.layers.2.attention.qkv.weight"),
@@ -176,10 +178,13 @@ def levels(pack, row, model, size="odd", frames=5) -> list[str]:
 
 
 def expected_patch_points(pack, row, model) -> set:
+    """The patch points (dit_checks.patch_points) the declaration says the node sets: every block of each
+    group but the first ones."""
     family, dm = family_of(pack, row), model.model.diffusion_model
+    merged = [(g, i) for g in family.groups if hasattr(dm, g.blocks) for i in g.merged(len(getattr(dm, g.blocks)))]
     if family.intercept == pack.nodes.adapters.family.REPLACE:
-        return {(g.hook, i) for g in family.groups if hasattr(dm, g.blocks) for i in g.merged(len(getattr(dm, g.blocks)))}
-    return {f"diffusion_model.{g.blocks}.{i}.forward" for g in family.groups for i in g.merged(len(getattr(dm, g.blocks)))}
+        return {(g.hook, i) for g, i in merged}
+    return {f"diffusion_model.{g.blocks}.{i}.forward" for g, i in merged}
 
 
 @every_family
@@ -207,7 +212,7 @@ def test_half_ratio_merges_every_group_on_every_shape(pack, row, model, case):
     dit_checks.check_half_ratio_merges(dit_checks.toma_patched(pack, model), model,
                                        lambda m: sample(row, m, size, batch, text_length, frames),
                                        levels(pack, row, model, size, frames), math.prod(grid(row, size, frames)),
-                                       bound=0.25)
+                                       bound=row.bound)
 
 
 @every_family
