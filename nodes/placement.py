@@ -25,9 +25,9 @@ BLOCK = "block"
 SCOPES = (AUTO, ATTENTION, BLOCK, KEYS_VALUES, QUERIES)
 
 UNET_PLACEMENTS = (ATTENTION, BLOCK, KEYS_VALUES, QUERIES)
+# Where a scope reaches an adapter as "auto" (the nodes resolve it first, with PRESETS below) or cannot be
+# honoured: the placement every model of the kind offers.
 UNET_AUTO = ATTENTION
-# What "auto" means on DiTs. docs/benchmarks.md: at the speed a real-width Flux gets, whole blocks keep the
-# trained proxy's pictures closer than the attention-only placement.
 DIT_AUTO = BLOCK
 KEYS_MERGED = (ATTENTION, KEYS_VALUES)  # where proportional attention applies
 

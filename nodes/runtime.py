@@ -79,7 +79,7 @@ class MergeRuntime:
         self.failed: set = set()
         self.levels: dict[str, LevelStats] = {}
         self.idle: set[str] = set()  # why this run merges nothing (strategy.merges_nothing), for the stats
-        self.left_to: dict[str, str] = {}  # level -> the other node that changed its tokens first (leave)
+        self.left_to: dict[str, dict] = {}  # level -> {node, why}: the other node that took it (leave)
         self.stage_clock = StageClock(("select", "merge", "unmerge"))
         self.records: dict[str, list] = {}  # level name -> PlanRecords of this run, in step order
         self.run_started = None
@@ -236,13 +236,15 @@ class MergeRuntime:
         stats.details = details
         return plan
 
-    def leave(self, level: str, transformer_options, taker) -> str:
+    def leave(self, level: str, transformer_options, taker, why: str = "changed its tokens first") -> str:
         """Note that another node took ``level`` in this model call, for the run's stats; ``taker()``
-        names that node, asked once per level and run. The name."""
+        names that node, asked once per level and run; ``why``: what that node did, in words ("changed
+        its tokens first": a UNet level; "took its blocks": DiT blocks of a token merge node nearer the
+        sampler). The name."""
         self.locate(transformer_options)  # the run reports even if no level of it merged
         if level not in self.left_to:
-            self.left_to[level] = taker()
-        return self.left_to[level]
+            self.left_to[level] = {"node": taker(), "why": why}
+        return self.left_to[level]["node"]
 
     def generator(self, device) -> torch.Generator:
         """The run's generator on ``device``, seeded with the strategy's seed at the run's first build."""

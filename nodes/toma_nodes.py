@@ -9,7 +9,8 @@ import logging
 
 from ..toma_core import CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, ReuseSchedule, ToMA, ToMeSD
 from . import placement
-from .adapters import adapter_for, supported_families, unet, unserved_reason
+from .adapters import (adapter_for, attention_placement_families, family_names, supported_families, unet,
+                       unserved_reason)
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
 
@@ -72,9 +73,9 @@ def preset_of(model) -> placement.Preset:
     """What "auto" means for ``model``'s kind (placement.PRESETS); a model no adapter serves gets the
     DiT one, unused: it comes back unpatched."""
     adapter = adapter_for(model)
-    kind = getattr(adapter, "PRESET_KIND", None) or (adapter.preset_kind(model) if hasattr(adapter, "preset_kind")
-                                                    else "dit")
-    return placement.PRESETS[kind]
+    if hasattr(adapter, "preset_kind"):
+        return placement.PRESETS[adapter.preset_kind(model)]
+    return placement.PRESETS["video" if getattr(adapter, "video", False) else "dit"]
 
 
 def watched(patched, runtime: MergeRuntime, unique_id):
@@ -104,6 +105,11 @@ def apply_strategy(model, strategy, levels="auto", scope: str = "auto", unique_i
     runtime = MergeRuntime(strategy, model_sampling_of(model))
     patched = adapter.patch(model, runtime, levels, scope)
     return patched if patched is model else watched(patched, runtime, unique_id)
+
+
+def in_words(names) -> str:
+    """["a", "b", "c"] -> "a, b and c"."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
 def _float(default, low, high, step, tooltip):
@@ -140,14 +146,14 @@ class ModelPatchNode:
 class ToMAPatchModel(ModelPatchNode):
     DESCRIPTION = ("ToMA token merging (ICML 2025): in each local window, picks destination tokens by greedy "
                    "facility location, merges the others into them with attention-like weights before "
-                   "self-attention and unmerges after it. Faster sampling on SD1.x/SD2.x/SDXL with little "
-                   "change to the image. On Flux (dev, schnell, Kontext), Flux.2, Chroma (and Chroma Radiance) "
-                   "and SD3/SD3.5 it merges the image tokens of all double/single blocks but the first "
-                   "~25%/~13%; on Qwen-Image and Qwen-Image-Edit those of all blocks but the first ~25%, each "
-                   "Edit reference image by a plan of its own; on Z-Image and Lumina 2 those of all layers but "
-                   "the first ~13%; on the video models Wan, HunyuanVideo (and HunyuanVideo 1.5) and LTX-Video "
-                   "the video tokens, in windows over frames (text tokens never). DiT blocks run whole on merged "
-                   "tokens; the Advanced node's scope can merge only the attention of Flux-style double blocks.")
+                   "self-attention and unmerges after it. Faster sampling on "
+                   f"{'/'.join(unet.names)} with little change to the image. On the image DiTs "
+                   f"{in_words(family_names(video=False))} it merges the image tokens, on the video DiTs "
+                   f"{in_words(family_names(video=True))} the video tokens, in windows over frames, of every "
+                   "block but the first ~13-25% of each group (text tokens never; each Qwen-Image-Edit reference "
+                   "image by a plan of its own). DiT blocks run whole on merged tokens; the Advanced node's "
+                   "scope can merge only the attention of "
+                   f"{in_words(attention_placement_families())} double blocks.")
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -164,8 +170,8 @@ class ToMAPatchModel(ModelPatchNode):
 
 
 class ToMAPatchModelAdvanced(ModelPatchNode):
-    DESCRIPTION = ("ToMA token merging with every knob: what runs merged (scope; on UNets, and on Flux, Chroma "
-                   "and HunyuanVideo double blocks), which UNet levels, how often weights are refreshed, the "
+    DESCRIPTION = ("ToMA token merging with every knob: what runs merged (scope; on UNets, and on "
+                   f"{in_words(attention_placement_families())} double blocks), which UNet levels, how often weights are refreshed, the "
                    "part of the schedule that merges and which of its steps, softmax sharpness and exact "
                    "pseudo-inverse unmerging.")
 
@@ -181,17 +187,16 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                "cross-attention and feed-forward all run merged (faster, more change). "
                                "keys/values (UNets): queries stay whole, keys and values come from merged "
                                "tokens, nothing to unmerge. queries (UNets): queries merged, keys and values "
-                               "whole. On Flux, Chroma and HunyuanVideo double blocks, attention merges only "
-                               "the joint attention (the paper's placement) and block the whole block; their "
-                               "single blocks, and all blocks of SD3, Qwen-Image, Wan, LTX-Video, Z-Image and "
-                               "Lumina 2, always run whole on merged image tokens. auto: "
-                               + placement.auto_in_words() + "."}),
+                               f"whole. On {in_words(attention_placement_families())} double blocks, attention "
+                               "merges only the joint attention (the paper's placement) and block the whole "
+                               "block; their single blocks, and all blocks of the other DiTs, always run whole "
+                               "on merged image tokens. auto: " + placement.auto_in_words() + "."}),
                 "levels": (list(unet.LEVEL_CHOICES), {
                     "default": "auto",
                     "tooltip": "UNet resolutions to merge, as downsample factors. auto: the highest-resolution "
                                "level with attention (1/1 on SD1.x/SD2.x, 1/2 on SDXL); auto+next adds the "
-                               "level below it. UNets only: Flux/SD3 have one token grid and merge all "
-                               "but their first blocks."}),
+                               "level below it. UNets only: a DiT has one token grid and merges all "
+                               "but the first blocks of each group."}),
                 "weights_interval": _int(1, 1, 100, "Steps between merge-weight refreshes (at most the "
                                                     "reuse interval matters; 1 = every step)."),
                 "start_percent": _float(0.0, 0.0, 1.0, 0.01, "Merge from this point of the schedule on "

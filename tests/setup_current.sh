@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# LOCAL USE ONLY (not CI): adds a current ComfyUI next to the pinned test host.
+# Adds a current ComfyUI next to the pinned test host (locally, and in .ci/run where a mirror is found).
 #   .comfyui-current/   ComfyUI from the mirror's HEAD (git archive), or an existing checkout left as is
 #   .venv/              the test host's venv, plus what current ComfyUI needs beyond the pinned tree
 # The same venv keeps serving the pinned tree; torch/torchvision stay as tests/setup_host.sh pinned them.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# LOCAL USE ONLY (not CI, which keeps the pinned tree): a third test host, ComfyUI v0.3.75 (Nov 2025), the
+# A third test host (locally, and in .ci/run where a mirror is found), ComfyUI v0.3.75 (Nov 2025), the
 # first tree with Z-Image, Flux.2 and HunyuanVideo 1.5 (and Lumina 2, HiDream as before).
 #   .comfyui-newest/   ComfyUI from the mirror's HEAD, extracted as tests/setup_current.sh extracts its tree
 # The venv is the test host's (tests/setup_host.sh); its comfyui-* wheels stay as they are.

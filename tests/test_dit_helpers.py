@@ -82,4 +82,4 @@ def test_unsupported_model_is_returned_unpatched_with_a_message(pack, caplog):
         out = nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
     assert out is model
     assert "not supported" in caplog.text
-    assert all(adapter.FAMILY in caplog.text for adapter in pack.nodes.adapters.ADAPTERS)
+    assert all(adapter.name in caplog.text for adapter in pack.nodes.adapters.ADAPTERS)

@@ -1,7 +1,9 @@
-"""The model families the pack names for users (the ToMA node's description, its help pages, the README's
-table, the registry description in pyproject.toml) follow the adapter registry: an adapter added to
-``nodes/adapters`` ADAPTERS without its names in every list fails here, and so does a list that names
-a family under one name and drops another.
+"""The model families the pack names for users follow the adapter registry (``nodes/adapters`` ADAPTERS,
+each adapter's ``names``): the ToMA nodes' descriptions and scope tooltip are generated from it, and the
+lists written by hand (the README's table and node table, the help pages, the registry description in
+pyproject.toml) are checked against it here. A family added to the registry without its names in every
+list fails, and so does a list that names a family the registry does not serve, or gives the attention
+placement to a family that does not honour it.
 """
 import re
 from pathlib import Path
@@ -12,50 +14,77 @@ REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.comfy
 
-# For each adapter module of ADAPTERS, the names users know its models by (what each list must name).
-NAMES = {
-    "unet": ("SD1.x", "SD2.x", "SDXL"),
-    "flux": ("Flux", "Flux.2"),
-    "sd3": ("SD3",),
-    "hunyuan_video": ("HunyuanVideo", "HunyuanVideo 1.5"),
-    "ltxv": ("LTX-Video",),
-    "wan": ("Wan",),
-    "qwen_image": ("Qwen-Image",),
-    "chroma": ("Chroma",),
-    "lumina": ("Z-Image", "Lumina 2"),
-}
+WHERE = ["ToMAPatchModel.DESCRIPTION", "README supported models", "help page of ToMAPatchModel",
+         "help page of ToMAPatchModelAdvanced", "pyproject.toml description"]
+SCOPE_WHERE = ["scope tooltip", "ToMAPatchModelAdvanced.DESCRIPTION", "README node table",
+               "help page scope row"]
 
 
-def supported_models_table() -> str:
-    """The first column of the README's "Supported models" table."""
+def supported_models_rows() -> list[str]:
+    """The first column of each row of the README's "Supported models" table."""
     section = (REPO / "README.md").read_text().split("## Supported models", 1)[1].split("\n## ", 1)[0]
-    return "\n".join(line.split("|")[1] for line in section.splitlines() if line.startswith("| ") and "---" not in line)
+    return [line.split("|")[1] for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
 
 
-def help_page_model_row(node: str) -> str:
+def help_page_row(node: str, name: str) -> str:
     text = (REPO / "web" / "docs" / node / "en.md").read_text()
-    return next(line for line in text.splitlines() if line.startswith("| **model** |"))
+    return next(line for line in text.splitlines() if line.startswith(f"| **{name}** |"))
 
 
 def lists(pack) -> dict:
     description = re.search(r'^description = "(.*)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
     return {"ToMAPatchModel.DESCRIPTION": pack.nodes.toma_nodes.ToMAPatchModel.DESCRIPTION,
-            "README supported models": supported_models_table(),
-            "help page of ToMAPatchModel": help_page_model_row("ToMAPatchModel"),
-            "help page of ToMAPatchModelAdvanced": help_page_model_row("ToMAPatchModelAdvanced"),
+            "README supported models": "\n".join(supported_models_rows()),
+            "help page of ToMAPatchModel": help_page_row("ToMAPatchModel", "model"),
+            "help page of ToMAPatchModelAdvanced": help_page_row("ToMAPatchModelAdvanced", "model"),
             "pyproject.toml description": description}
 
 
-def test_names_cover_the_registry(pack):
-    registry = {adapter.__name__.rsplit(".", 1)[1] for adapter in pack.nodes.adapters.ADAPTERS}
-    assert set(NAMES) == registry
+def scope_texts(pack) -> dict:
+    nodes = pack.nodes.toma_nodes
+    readme = next(line for line in (REPO / "README.md").read_text().splitlines() if "(`ToMAPatchModelAdvanced`)" in line)
+    return {"scope tooltip": nodes.ToMAPatchModelAdvanced.INPUT_TYPES()["required"]["scope"][1]["tooltip"],
+            "ToMAPatchModelAdvanced.DESCRIPTION": nodes.ToMAPatchModelAdvanced.DESCRIPTION,
+            "README node table": readme,
+            "help page scope row": help_page_row("ToMAPatchModelAdvanced", "scope")}
 
 
-@pytest.mark.parametrize("where", ["ToMAPatchModel.DESCRIPTION", "README supported models",
-                                   "help page of ToMAPatchModel", "help page of ToMAPatchModelAdvanced",
-                                   "pyproject.toml description"])
+def named(name: str, text: str) -> bool:
+    return re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", text) is not None
+
+
+def all_names(pack) -> list[str]:
+    return [name for adapter in pack.nodes.adapters.ADAPTERS for name in adapter.names]
+
+
+def test_every_adapter_has_names_of_its_own(pack):
+    names = all_names(pack)
+    assert all(adapter.names for adapter in pack.nodes.adapters.ADAPTERS)
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_every_list_names_every_family(pack, where):
     text = lists(pack)[where]
-    missing = [name for names in NAMES.values() for name in names
-               if not re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", text)]
+    missing = [name for name in all_names(pack) if not named(name, text)]
     assert missing == [], f"{where} does not name {missing}"
+
+
+def test_every_readme_row_is_a_family_of_the_registry(pack):
+    """A row of the Supported models table names a family the registry serves (one family may have
+    several rows: Flux.1 and Flux.2)."""
+    names = all_names(pack)
+    strays = [row for row in supported_models_rows() if not any(named(name, row) for name in names)]
+    assert strays == []
+
+
+@pytest.mark.parametrize("where", SCOPE_WHERE)
+def test_the_attention_placement_is_offered_where_a_family_honours_it(pack, where):
+    """Where the scope's "attention" placement is described for DiT double blocks, it names exactly the
+    families whose declaration honours it."""
+    adapters = pack.nodes.adapters
+    match = re.search(r"\b[Oo]n ((?:[\w.]+(?:, | and ))*[\w.]+) double blocks", scope_texts(pack)[where])
+    assert match, f"{where} does not say which DiT double blocks the attention placement serves"
+    offered = set(re.split(r", | and ", match.group(1)))
+    assert offered == set(adapters.attention_placement_families())
+    assert offered < {family.name for family in adapters.DIT_FAMILIES}

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_c
 
 NEWEST_ONLY = ("{} exists only in ComfyUI v0.3.75 (Nov 2025) and later: bash tests/setup_newest.sh, then "
                "COMFYUI_PATH=.comfyui-newest")
-FLUX2_HW = {"odd": (13, 19), "square": (16, 16)}  # Flux.2 latents (128 channels), one token per pixel
+FLUX2_HW = (13, 19)  # Flux.2 latents (128 channels), one token per pixel
 VIDEO = (3, 7, 9)  # HunyuanVideo 1.5 latent frames x H x W (patch 1)
 SIGLIP_TOKENS = 9
 
@@ -42,7 +42,7 @@ def hunyuan15(pack):
     return {"t2v": models.build_hunyuan_video15(seed=52), "sr": models.build_hunyuan_video15(seed=53, sr=True)}
 
 
-def sample_flux2(model, hw=FLUX2_HW["odd"], batch=1, cfg=1.0, reference=None, seed=0):
+def sample_flux2(model, hw=FLUX2_HW, batch=1, cfg=1.0, reference=None, seed=0):
     options = {"guidance": 4.0, "pooled_output": None}  # Flux.2 has no pooled text vector
     if reference is not None:
         options["reference_latents"] = [reference]
@@ -69,29 +69,6 @@ def sample_hunyuan15(model, variant="t2v", batch=1, cfg=1.0, seed=0):
                            scheduler="simple", seed=seed)
 
 
-def flux_blocks(pack, model):
-    dm = model.model.diffusion_model
-    return (dit_checks.merged_keys(pack, "double_block", len(dm.double_blocks), "double")
-            | dit_checks.merged_keys(pack, "single_block", len(dm.single_blocks), "single"))
-
-
-# -- Flux.2 ------------------------------------------------------------------------------------------------
-def test_flux2_patches_a_clone_and_leaves_the_input_alone(pack, flux2):
-    dit_checks.check_input_model_unchanged(pack, flux2, sample_flux2, flux_blocks(pack, flux2))
-
-
-def test_flux2_ratio_zero_is_identical_to_unpatched(pack, flux2):
-    dit_checks.check_ratio_zero_identical(pack, flux2, lambda m: sample_flux2(m, batch=2))
-
-
-@pytest.mark.parametrize("size,batch", [("odd", 1), ("square", 2)])
-def test_flux2_half_ratio_merges_both_block_groups(pack, flux2, size, batch):
-    h, w = FLUX2_HW[size]
-    dit_checks.check_half_ratio_merges(dit_checks.toma_patched(pack, flux2), flux2,
-                                       lambda m: sample_flux2(m, (h, w), batch),
-                                       [f"double {h}x{w}", f"single {h}x{w}"], h * w, bound=0.25)
-
-
 @pytest.mark.parametrize("scope", ["block", "attention"])
 def test_flux2_merging_into_every_token_reproduces_the_unpatched_model(pack, flux2, scope):
     """Every token a destination: the global modulation pair and the 4-axis RoPE rows follow, in both
@@ -113,23 +90,11 @@ def test_flux2_reference_tokens_stay_unmerged(pack, flux2):
         "double 13x19": (247, 124), "single 13x19": (247, 124)}
 
 
-def test_flux2_no_state_leaks_between_runs(pack, flux2):
-    patched, runtime = dit_checks.toma_patched(pack, flux2)
-    dit_checks.check_no_state_leak(pack, patched, runtime, sample_flux2,
-                                   lambda m: sample_flux2(m, FLUX2_HW["square"], batch=2, seed=7), (13, 19))
-
-
 # -- HunyuanVideo 1.5 --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", ["t2v", "i2v", "sr"])
 def test_hunyuan15_ratio_zero_is_identical_to_unpatched(pack, hunyuan15, variant):
     model = hunyuan15["sr" if variant == "sr" else "t2v"]
     dit_checks.check_ratio_zero_identical(pack, model, lambda m: sample_hunyuan15(m, variant, batch=2))
-
-
-def test_hunyuan15_patches_a_clone_and_leaves_the_input_alone(pack, hunyuan15):
-    model = hunyuan15["t2v"]
-    dit_checks.check_input_model_unchanged(pack, model, sample_hunyuan15,
-                                           dit_checks.merged_keys(pack, "double_block", 3, "double"))
 
 
 @pytest.mark.parametrize("variant", ["t2v", "i2v", "sr"])
@@ -141,17 +106,3 @@ def test_hunyuan15_merging_into_every_token_reproduces_the_unpatched_model(pack,
     dit_checks.check_merging_only_permutes(patched, model, lambda m: sample_hunyuan15(m, variant, batch=2, cfg=2.0))
     assert sorted(runtime.summary()["levels"]) == ["double 3x7x9"]
 
-
-@pytest.mark.parametrize("variant,batch", [("t2v", 2), ("i2v", 1), ("sr", 1)])
-def test_hunyuan15_half_ratio_merges_only_the_video(pack, hunyuan15, variant, batch):
-    """At ratio 0.5 the stats count the video grid alone: the SigLIP tokens of image-to-video stay whole."""
-    model = hunyuan15["sr" if variant == "sr" else "t2v"]
-    dit_checks.check_half_ratio_merges(dit_checks.toma_patched(pack, model), model,
-                                       lambda m: sample_hunyuan15(m, variant, batch), ["double 3x7x9"],
-                                       3 * 7 * 9, bound=0.25)
-
-
-def test_hunyuan15_no_state_leaks_between_runs(pack, hunyuan15):
-    patched, runtime = dit_checks.toma_patched(pack, hunyuan15["t2v"])
-    dit_checks.check_no_state_leak(pack, patched, runtime, sample_hunyuan15,
-                                   lambda m: sample_hunyuan15(m, "i2v", batch=2, seed=7), (3, 7, 9))

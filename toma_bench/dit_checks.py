@@ -1,6 +1,6 @@
-"""The checks every DiT family's tests make (Flux, SD3, HunyuanVideo, LTX-Video, Wan, Qwen-Image, Chroma,
-and the next ones), written once: each family test calls them with its own model, its own ``sample`` and
-its expectations.
+"""The checks DiT tests make, written once: the conformance table (tests/test_family_conformance.py) runs
+them for every family, and the family test files call them for what is a family's own, each with its own
+model, its own ``sample`` and its expectations.
 
 ``pack`` is the loaded node pack (the tests' ``pack`` fixture); ``sample`` is a callable that takes a
 MODEL and returns the sampled latent, the family's inputs bound in (``lambda m: sample(m, batch=2)``).
@@ -34,23 +34,25 @@ def dit_patches(model) -> dict:
     return model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
 
 
-def merged_keys(pack, key, depth, kind) -> set:
-    """{(key, i)} for the blocks of a group of ``depth`` blocks that merge (dit.merged_blocks)."""
-    return {(key, i) for i in pack.nodes.adapters.dit.merged_blocks(depth, kind)}
+def patch_points(model) -> set:
+    """What patches ``model``'s blocks: its "dit" replace patches ((kind, index)) and its object-patched
+    diffusion model attributes ("diffusion_model.layers.1.forward")."""
+    return set(dit_patches(model)) | {k for k in model.object_patches if k.startswith("diffusion_model.")}
 
 
-def check_input_model_unchanged(pack, model, sample, expected_blocks, where="diffusion_model"):
-    """The ToMA node (ratio 0.5) patches a clone: exactly ``expected_blocks`` replaced and the wrapper at
-    ``where`` on the clone only; sampling the clone leaves the input's options, wrappers and output as
-    they were. Returns the patched clone."""
+def check_input_model_unchanged(pack, model, sample, expected, where="diffusion_model"):
+    """The ToMA node (ratio 0.5) patches a clone: exactly the ``expected`` patch points (patch_points)
+    and the wrapper at ``where`` on the clone only; sampling the clone leaves the input's options,
+    wrappers, object patches and output as they were. Returns the patched clone."""
     before_options, before_wrappers = copy.deepcopy(model.model_options), copy.copy(model.wrappers)
-    before = sample(model)
+    before_objects, before = dict(model.object_patches), sample(model)
     patched, _ = toma_patched(pack, model)
     assert patched is not model
-    assert set(dit_patches(patched)) == set(expected_blocks)
+    assert patch_points(patched) == set(expected)
     assert patched.get_wrappers(where, WRAPPER) and not model.get_wrappers(where, WRAPPER)
     sample(patched)
     assert model.model_options == before_options and model.wrappers == before_wrappers
+    assert dict(model.object_patches) == before_objects
     assert torch.equal(sample(model), before)
     return patched
 
@@ -90,32 +92,6 @@ def check_merging_only_permutes(patched, model, sample):
     return out
 
 
-def lora_diff(model, key, seed, signed=False):
-    """A weight patch for ``key`` of up to half the weight's largest magnitude (in [-1, 1) x that when
-    ``signed``, else in [0, 1) x that), seeded."""
-    weight = model.model.state_dict()[key]
-    noise = torch.rand(weight.shape, generator=torch.Generator().manual_seed(seed))
-    return 0.5 * weight.abs().max() * (2 * noise - 1 if signed else noise)
-
-
-def check_lora_applies(model, toma, sample, key, diff, exact=True):
-    """A weight patch on ``key`` added to a clone of the ToMA-patched ``toma`` (as LoraLoader does after
-    the node) changes its output and leaves ``toma`` as it was (weights restored); ``exact`` (``toma``
-    merges only by permuting): the change is the one the patch makes on the unpatched ``model``.
-    Returns the output with the patch."""
-    plain = sample(toma)
-    lora = toma.clone()
-    assert set(lora.add_patches({key: (diff,)})) == {key}
-    out = sample(lora)
-    assert torch.isfinite(out).all() and not torch.equal(out, plain)
-    assert torch.equal(sample(toma), plain)
-    if exact:
-        plain_lora = model.clone()
-        assert set(plain_lora.add_patches({key: (diff,)})) == {key}
-        assert relative_l2(out, sample(plain_lora)) < 1e-5
-    return out
-
-
 def lora_clone(model, key, seed=7):
     """A clone of ``model`` with a LoRA-like diff on ``key``, as LoraLoader makes. The diff's scale (half
     the init bound 1/sqrt(fan_in)) comes from the weight's shape, never its values: a weight patch stays
@@ -125,21 +101,6 @@ def lora_clone(model, key, seed=7):
     clone = model.clone()
     assert set(clone.add_patches({key: (diff,)})) == {key}
     return clone
-
-
-def check_lora_either_order(pack, model, sample, key, order):
-    """With every token a destination (ratio 0.1, window 2), a LoRA'd ``model`` (lora_clone on ``key``)
-    gives the unpatched LoRA'd output whichever node comes first (``order``: "lora-then-toma" or
-    "toma-then-lora"), and not the output without the LoRA."""
-    with_lora = sample(lora_clone(model, key))
-    assert relative_l2(with_lora, sample(model)) > 1e-3
-    if order == "lora-then-toma":
-        stacked, runtime = toma_patched(pack, lora_clone(model, key), ratio=0.1, window=2)
-    else:
-        exact, runtime = toma_patched(pack, model, ratio=0.1, window=2)
-        stacked = lora_clone(exact, key)
-    assert relative_l2(sample(stacked), with_lora) < 1e-5
-    assert runtime.summary()["levels"]
 
 
 def check_no_state_leak(pack, patched, runtime, sample, other, grid):

@@ -1,25 +1,21 @@
-"""Model-family adapters, one module per family, and the registry the nodes look a model up in.
+"""Model-family adapters and the registry the nodes look a model up in.
 
-An adapter module offers:
-    FAMILY                                   its display name in messages and the README
+An adapter offers:
+    name                                     its display name in messages
+    names                                    what users know its models by (node descriptions, README,
+                                             help pages, pyproject.toml: tests/test_family_lists.py)
     supports(model) -> bool                  whether the ModelPatcher's diffusion model is of this family
     patch(model, runtime, levels, scope)     the patched clone; ``model`` itself, unpatched with a log
                                              message, when the strategy or the host cannot serve it
-Adding a family is one module here, its line in ADAPTERS and its tests.
+The UNet adapter is a module (unet.py); every DiT family is a declaration (family.DiTFamily) in
+families.py. Adding a DiT family is its row there and in DIT_FAMILIES, its model builder and conformance
+row in the tests, and its README row.
 """
-from . import chroma, flux, hunyuan_video, lumina, ltxv, qwen_image, sd3, unet, wan
+from .. import placement
+from . import unet
+from .families import DIT_FAMILIES
 
-ADAPTERS = (
-    unet,
-    flux,
-    sd3,
-    hunyuan_video,
-    ltxv,
-    wan,
-    qwen_image,
-    chroma,
-    lumina,
-)
+ADAPTERS = (unet, *DIT_FAMILIES)
 
 
 # Diffusion model classes that no adapter serves for a reason worth telling the user (by class name: the
@@ -37,9 +33,19 @@ def unserved_reason(model) -> str | None:
 
 
 def adapter_for(model):
-    """The adapter module of ``model``'s family, or None."""
+    """The adapter of ``model``'s family, or None."""
     return next((adapter for adapter in ADAPTERS if adapter.supports(model)), None)
 
 
 def supported_families() -> str:
-    return ", ".join(adapter.FAMILY for adapter in ADAPTERS)
+    return ", ".join(adapter.name for adapter in ADAPTERS)
+
+
+def family_names(video: bool) -> list[str]:
+    """The names users know the image (``video`` False) or video DiTs by, in registry order."""
+    return [n for family in DIT_FAMILIES if family.video == video for n in family.names]
+
+
+def attention_placement_families() -> list[str]:
+    """The DiT families whose double blocks can merge only their joint attention (scope "attention")."""
+    return [family.name for family in DIT_FAMILIES if placement.ATTENTION in family.placements]

@@ -53,7 +53,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..host import WRAPPER_KEY, install_run_hooks
 from .. import placement
 from ..runtime import MergeRuntime
 
@@ -189,11 +188,13 @@ def positions_fit(args: dict, txt_len: int, layout: ImageLayout, pe_axis: int = 
 class LayoutStash:
     """Wrapper of the call that turns the latent into tokens (Flux: DIFFUSION_MODEL, SD3: APPLY_MODEL):
     puts the call's ImageLayout into its transformer_options for the block patches, and takes it out
-    again afterwards. ``target`` is the wrapped function, whose signature names the arguments."""
+    again afterwards. ``target`` is the wrapped function, whose signature names the arguments;
+    ``patch_size`` the model's; a family whose latent is laid out otherwise overrides ``layout``."""
 
-    def __init__(self, target, patch_size: int):
+    def __init__(self, target, patch_size, runtime: MergeRuntime | None = None):
         self.signature = inspect.signature(target)
         self.patch = patch_size
+        self.runtime = runtime  # for the notices of families whose calls can lack a layout
 
     def layout(self, call: dict) -> ImageLayout | None:
         """The call's ImageLayout; None unless the latent is an image: (B, C, H, W), or a single frame
@@ -244,22 +245,16 @@ def attention_override_supported() -> bool:
 
 
 def attention_only(scope: str, family: str) -> bool:
-    """Whether the double blocks of ``family`` run only their attention on merged tokens for ``scope`` (a
-    placement.SCOPES value; "auto" means placement.DIT_AUTO); "attention" on a host without attention
-    overrides falls back to whole blocks, with a log message."""
-    if placement.resolve(scope, family, (placement.ATTENTION, placement.BLOCK), placement.DIT_AUTO) != placement.ATTENTION:
+    """Whether double blocks run only their attention on merged tokens for ``scope`` (a resolved
+    placement: placement.resolve); "attention" on a host without attention overrides falls back to whole
+    blocks, with a log message naming ``family``."""
+    if scope != placement.ATTENTION:
         return False
     if not attention_override_supported():
         log.warning("ToMA: this ComfyUI has no attention override (comfy.ldm.modules.attention.wrap_attn); "
                     "%s double blocks merge whole blocks (scope block)", family)
         return False
     return True
-
-
-def image_first(dm) -> bool:
-    """Whether the double blocks' joint attention sequence is [image, txt] (``flipped_img_txt``:
-    HunyuanVideo) rather than [txt, image] (Flux, Chroma)."""
-    return any(getattr(block, "flipped_img_txt", False) for block in dm.double_blocks)
 
 
 class MergedAttention:
@@ -320,55 +315,102 @@ class MergedAttention:
             return self.attend(func, q, k, v, heads, *args, **kwargs)
 
 
+@dataclass(frozen=True)
+class BlockCall:
+    """One merged block call, as a family's ``DiTPatch.reduced_inputs`` is given it (one value: a new field
+    touches no override). ``args``: the block's arguments (full length); ``txt_len``: the text tokens of
+    the joint sequence (0 where the text is elsewhere); ``layout``: the call's ImageLayout; ``plan``: the
+    image grid's plan; ``reference_plans``: the plans of the leading reference grids of
+    ``layout.references`` (None: kept whole; empty for families without reference grids)."""
+
+    args: dict
+    txt_len: int
+    layout: ImageLayout
+    plan: object
+    reference_plans: tuple = ()
+
+
 class DiTPatch:
     """The block patches of one patched DiT clone (signature of ComfyUI's "dit" replace patches:
     ``fn(args, {"original_block": fn}) -> dict`` with full-length tokens in and out).
 
-    pe_axis: the token axis of the model's RoPE table ``pe``. merge_references: whether the reference
-    grids of ``ImageLayout.references`` merge too, each by a plan of its own (else they stay whole).
+    A family whose blocks see another layout or other per-token inputs subclasses it and overrides what
+    differs: ``fits`` (whether a call's inputs cover its tokens as the family lays them out) and
+    ``reduced_inputs`` (those inputs cut to the merged sequence), or the class attributes below.
     attention_only: double blocks run whole on full-length tokens with only their joint attention merged
-    (``MergedAttention``); image_first: that attention's sequence is [image, txt] (else [txt, image])."""
+    (``MergedAttention``)."""
 
-    def __init__(self, runtime: MergeRuntime, pe_axis: int = 2, merge_references: bool = False,
-                 attention_only: bool = False, image_first: bool = False):
+    pe_axis = 2  # the token axis of the RoPE table ``pe`` (Flux, Chroma: (B, 1, L, ...))
+    merge_references = False  # whether the reference grids of ImageLayout.references merge, each by its own plan
+    image_first = False  # the joint sequence is [image, txt] (HunyuanVideo's flipped_img_txt), not [txt, image]
+
+    def __init__(self, runtime: MergeRuntime, attention_only: bool = False):
         self.runtime = runtime
-        self.pe_axis = pe_axis
-        self.merge_references = merge_references
         self.attention_only = attention_only
-        self.image_first = image_first
+        self.taken_from: dict[str, list] = {}  # group -> runtimes of earlier token merge nodes whose blocks this took
+
+    def took(self, group: str, previous: MergeRuntime) -> None:
+        """Note that blocks of ``group`` patched by the earlier token merge node ``previous`` merge here
+        instead: each run that merges the group tells ``previous`` (its stats name this node)."""
+        if previous not in self.taken_from.setdefault(group, []):
+            self.taken_from[group].append(previous)
 
     def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict):
+        level = f"{group} {'x'.join(map(str, grid))}"
+        for previous in self.taken_from.get(group, ()):
+            previous.leave(level, options, lambda: f"the {self.runtime.name} node nearer the sampler",
+                           "took its blocks")
         return self.runtime.plan(("dit", group), ("dit", group), grid, tokens,
-                                 lambda: F.layer_norm(tokens, tokens.shape[-1:]), options,
-                                 f"{group} {'x'.join(map(str, grid))}")
+                                 lambda: F.layer_norm(tokens, tokens.shape[-1:]), options, level)
+
+    def pe_axis_of(self, args: dict) -> int:
+        """The token axis of this call's RoPE table (a family whose tables changed layout reads it here)."""
+        return self.pe_axis
+
+    def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
+        """Whether the call's per-token inputs (pe, attn_mask) cover exactly its ``txt_len`` text and
+        ``layout`` tokens (another patch, or another ComfyUI, may have changed them); ``group``: the
+        block group of the call ("double", "single", "video")."""
+        return positions_fit(args, txt_len, layout, self.pe_axis_of(args))
 
     def double_block(self, args: dict, extras: dict) -> dict:
-        """Image stream [image, extra] (B, N + E, C) merged; text stream (B, L, C) or None passes whole."""
+        """Image stream [lead, image, extra] (B, N + E, C) merged; text stream (B, L, C) or None passes whole."""
         run, img, txt = extras["original_block"], args["img"], args.get("txt")
-        options = args.get("transformer_options") or {}
-        layout = options.get(LAYOUT_KEY)
+        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
         txt_len = 0 if txt is None else txt.shape[1]
-        if layout is None or img.shape[1] != layout.total or not positions_fit(args, txt_len, layout, self.pe_axis):
+        if layout is None or img.shape[1] != layout.total or not self.fits(args, "double", txt_len, layout):
             return run(args)
         if self.attention_only:
             return self.attention_merged_call(args, run, txt_len, layout)
-        return self.merged_call("double", args, run, 0, txt_len, layout)
+        return self.merged_call("double", args, run, layout.lead, txt_len, layout)
 
     def single_block(self, args: dict, extras: dict) -> dict:
-        """Joint sequence [txt, image, extra] (B, L + N + E, C): the image part merged, the rest whole."""
+        """Joint sequence [txt, lead, image, extra] ([lead, image, extra, txt] with ``image_first``): the
+        image part merged, the rest whole."""
         run, x = extras["original_block"], args["img"]
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
         txt_len = -1 if layout is None else x.shape[1] - layout.total
-        if txt_len < 0 or not positions_fit(args, txt_len, layout, self.pe_axis):
+        if txt_len < 0 or not self.fits(args, "single", txt_len, layout):
             return run(args)
-        return self.merged_call("single", args, run, txt_len, txt_len, layout)
+        start = layout.lead + (0 if self.image_first else txt_len)
+        return self.merged_call("single", args, run, start, txt_len, layout)
 
-    def reduced_inputs(self, args: dict, txt_len: int, layout, plan, reference_plans=()) -> dict:
+    def block(self, args: dict, extras: dict) -> dict:
+        """A block over one sequence of video tokens [lead, video, extra] (B, L, C) (LTX-Video, Wan): the
+        grid merged; the text reaches it through cross-attention and passes whole, and so does a call the
+        layout does not account for."""
+        run, img = extras["original_block"], args["img"]
+        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
+        if (layout is None or not torch.is_tensor(img) or img.shape[1] != layout.total
+                or not self.fits(args, "video", 0, layout)):
+            return run(args)
+        return self.merged_call("video", args, run, layout.lead, 0, layout)
+
+    def reduced_inputs(self, call: BlockCall) -> dict:
         """The block's per-token inputs besides the tokens (``pe``, ``attn_mask``), cut to the merged
-        sequence; ``reference_plans``: the plans of the leading reference grids (None: kept whole; empty
-        for families without reference grids). A family whose blocks take other per-token inputs
-        overrides this."""
-        return merged_positions(args, txt_len, layout, plan, self.pe_axis, reference_plans)
+        sequence. A family whose blocks take other per-token inputs overrides this."""
+        return merged_positions(call.args, call.txt_len, call.layout, call.plan, self.pe_axis_of(call.args),
+                                call.reference_plans)
 
     def reference_plans(self, group: str, seq: torch.Tensor, begin: int, layout: ImageLayout, options: dict):
         """[((begin, end), plan or None)] for the reference grids of ``layout`` from ``begin`` in ``seq``."""
@@ -402,11 +444,11 @@ class DiTPatch:
             return run(args)
         references = self.reference_plans(group, seq, end, layout, options)
         spans = [((start, end), plan)] + [(r, p) for r, p in references if p is not None]
+        call = BlockCall(args, txt_len, layout, plan, tuple(p for _, p in references))
 
         def merge(_):
             merged = [p.merge(seq[:, b:e]) for (b, e), p in spans]
-            return merged, {"img": splice(seq, [r for r, _ in spans], merged),
-                            **self.reduced_inputs(args, txt_len, layout, plan, [p for _, p in references])}
+            return merged, {"img": splice(seq, [r for r, _ in spans], merged), **self.reduced_inputs(call)}
 
         merged, inputs = self.runtime.timed("merge", merge, None)
         out = run({**args, **inputs})
@@ -422,99 +464,13 @@ class DiTPatch:
         return {**out, "img": self.runtime.timed("unmerge", unmerge, out["img"])}
 
 
-@dataclass(frozen=True)
-class BlockGroup:
-    """One group of blocks a DiT adapter merges: ``block`` is the "dit" replace-patch name of its blocks
-    ("double_block", "single_block"), ``group`` the name plans and stats use, ``depth`` its number of
-    blocks, ``skip`` the fraction of them (the first ones) never merged, ``patch`` the replace patch."""
-
-    block: str
-    group: str
-    depth: int
-    patch: object
-    skip: float
-
-    def merged(self) -> range:
-        """Indices of the blocks that merge (the first ones never do)."""
-        return range(int(self.depth * self.skip + 0.5), self.depth)
-
-
-def flux_block_groups(dm, blocks) -> list[BlockGroup]:
-    """The double and single block groups of a model with Flux's block layout (Flux, Chroma,
-    HunyuanVideo: ``double_blocks`` then ``single_blocks``), at the paper's fractions, patched by the
-    ``double_block``/``single_block`` methods of ``blocks`` (a DiTPatch)."""
-    return [BlockGroup("double_block", "double", len(dm.double_blocks), blocks.double_block, SKIP_FRACTION["double"]),
-            BlockGroup("single_block", "single", len(dm.single_blocks), blocks.single_block, SKIP_FRACTION["single"])]
+def blocks_after(depth: int, fraction: float) -> range:
+    """Indices of the blocks of a group of ``depth`` blocks that merge when the first ``fraction`` of them
+    never do (rounded half up)."""
+    return range(int(depth * fraction + 0.5), depth)
 
 
 def merged_blocks(depth: int, group: str) -> range:
-    """Indices of the blocks of a group of ``depth`` blocks that merge, at the paper's Flux fractions."""
-    return BlockGroup("", group, depth, None, SKIP_FRACTION[group]).merged()
-
-
-def token_merge_node_of(patch):
-    """The runtime of the token merge node whose block patch ``patch`` (a "dit" replace patch) is, or
-    None for another node's patch."""
-    owner = getattr(patch, "__self__", None)
-    return owner.runtime if isinstance(owner, DiTPatch) else None
-
-
-def layout_wrapper(where: str, target, patch_size, model, stash=LayoutStash):
-    """(wrapper type, key, ``stash``) for ModelPatcher.add_wrapper_with_key around ``target``, the
-    function the ``where`` executor runs (its signature names the arguments); ``stash``: LayoutStash or
-    a subclass that reads another family's latent; None in a host without wrappers."""
-    try:
-        from comfy.patcher_extension import WrappersMP
-    except ImportError:
-        return None
-    if target is None or not hasattr(model, "add_wrapper_with_key"):
-        return None
-    return getattr(WrappersMP, where), WRAPPER_KEY, stash(target, patch_size)
-
-
-def cannot_patch(model, runtime: MergeRuntime, family: str, stash) -> bool:
-    """Whether ``model`` must come back unpatched (logged): the strategy is a UNet baseline, or the host
-    has no wrapper (``stash`` None) to hand the blocks the token grid."""
-    name = type(model.model).__name__
-    if not runtime.strategy.patches_dits:
-        log.warning("ToMA: %s is a UNet baseline and does not patch DiTs; %s (%s) returned unpatched (use "
-                    "the ToMA node on DiTs)", runtime.name, name, family)
-        return True
-    if stash is None:
-        log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
-                    "unpatched", name)
-        return True
-    return False
-
-
-def patch_blocks(model, runtime: MergeRuntime, family: str, groups: list[BlockGroup], stash):
-    """The patched clone of a DiT ``model`` whose ``groups`` merge, with ``stash`` (from
-    ``layout_wrapper``) handing them the token grid; ``model`` itself, unpatched with a log message,
-    when the strategy or the host cannot serve it."""
-    name = type(model.model).__name__
-    if cannot_patch(model, runtime, family, stash):
-        return model
-    m = model.clone()
-    taken = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-    merged, left, retaken = [], [], {}
-    for g in groups:
-        for i in g.merged():
-            earlier = taken.get((g.block, i))
-            if earlier is not None:
-                previous = token_merge_node_of(earlier)
-                if previous is None:
-                    left.append(f"{g.block} {i}")
-                    continue
-                retaken.setdefault(previous.name, []).append(f"{g.block} {i}")
-            m.set_model_patch_replace(g.patch, "dit", g.block, i)
-            merged.append(f"{g.block} {i}")
-    m.add_wrapper_with_key(*stash)
-    install_run_hooks(m, runtime)
-    if left:
-        log.info("ToMA: %s left unmerged (already patched by another node)", ", ".join(left))
-    for previous, blocks in retaken.items():
-        log.info("ToMA: %s, nearer the sampler, merges %s in place of the %s node before it", runtime.name,
-                 ", ".join(blocks), previous)
-    log.info("ToMA: %s patched on %s (%s): %d of %d blocks merge", runtime.name, name, family, len(merged),
-             sum(g.depth for g in groups))
-    return m
+    """Indices of the blocks of a group of ``depth`` blocks that merge, at the paper's Flux fractions
+    (``group``: "double" or "single")."""
+    return blocks_after(depth, SKIP_FRACTION[group])

@@ -1,6 +1,7 @@
-"""Adapter for HunyuanVideo (1.0: text-to-video, image-to-video v1 concat / v2 replace / custom
-reference, SkyReels) and the models ComfyUI builds from the same class (HunyuanImage 2.1 and its
-refiner): double blocks and single blocks merge their video tokens (nodes/adapters/dit.py says how).
+"""HunyuanVideo (its declaration: HUNYUAN_VIDEO in families.py; 1.0: text-to-video, image-to-video v1
+concat / v2 replace / custom reference, SkyReels) and the models ComfyUI builds from the same class
+(HunyuanImage 2.1 and its refiner): double blocks and single blocks merge their video tokens
+(nodes/adapters/dit.py says how).
 
 Layout: HunyuanVideo is Flux's architecture with the video first. The image stream of a double block
 and the joint sequence of a single block are [lead, video, txt]; ``pe`` (B, 1, L, ...) and the text
@@ -29,21 +30,10 @@ import math
 
 import torch
 
-from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, attention_only, flux_block_groups, image_first,
-                  layout_wrapper, patch_blocks, patched_side, sequence_index, take_rows, take_sequence)
+from .dit import DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows, take_sequence
 
-FAMILY = "HunyuanVideo"
-PRESET_KIND = "video"  # placement.PRESETS
-MODULATION_KEYS = ("modulation_dims_img", "modulation_dims")  # double block, single block
-
-
-def supports(model) -> bool:
-    try:
-        from comfy.ldm.hunyuan_video.model import HunyuanVideo
-    except ImportError:  # the March-2024 tree
-        return False
-    dm = getattr(model.model, "diffusion_model", None)
-    return isinstance(dm, HunyuanVideo) and hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks")
+# The modulation ranges of each block group's call (double block, single block)
+MODULATION_KEYS = {"double": "modulation_dims_img", "single": "modulation_dims"}
 
 
 def latent_grid(latent, patch) -> tuple[int, ...]:
@@ -87,47 +77,30 @@ def merged_ranges(ranges, start: int, tokens: int, merged: int):
 class HunyuanVideoPatch(DiTPatch):
     """Double and single block patches for the [lead, video, txt] layout."""
 
-    def fits(self, args: dict, key: str, txt_len: int, layout: ImageLayout) -> bool:
+    image_first = True  # flipped_img_txt: the joint attention and the single blocks see [lead, video, txt]
+
+    def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
         """Whether pe, the mask and the modulation ranges cover exactly [lead, video, txt] with no range
         boundary inside the video (another patch may have changed them)."""
         full = layout.total + txt_len
-        pe, mask, ranges = args.get("pe"), args.get("attention_mask"), args.get(key)
+        pe, mask, ranges = args.get("pe"), args.get("attention_mask"), args.get(MODULATION_KEYS[group])
         if pe is not None and (pe.dim() < 3 or pe.shape[2] != full):
             return False
         if mask is not None and (mask.shape[-1] != full or mask.dim() < 2 or mask.shape[-2] not in (1, full)):
             return False
         if ranges is not None and not ranges_fit(ranges, layout.lead, layout.tokens):
-            self.runtime.notice("%s: modulation ranges %s split the video grid; those blocks run unmerged",
-                                FAMILY, ranges)
+            self.runtime.notice("HunyuanVideo: modulation ranges %s split the video grid; those blocks run "
+                                "unmerged", ranges)
             return False
         return True
 
-    def double_block(self, args: dict, extras: dict) -> dict:
-        """Image stream [lead, video] (B, R + N, C) merged; text stream (B, L, C) whole."""
-        run, img, txt = extras["original_block"], args["img"], args["txt"]
-        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        if (layout is None or img.shape[1] != layout.total
-                or not self.fits(args, "modulation_dims_img", txt.shape[1], layout)):
-            return run(args)
-        if self.attention_only:
-            return self.attention_merged_call(args, run, txt.shape[1], layout)
-        return self.merged_call("double", args, run, layout.lead, txt.shape[1], layout)
-
-    def single_block(self, args: dict, extras: dict) -> dict:
-        """Joint sequence [lead, video, txt] (B, R + N + L, C): the video merged, the rest whole."""
-        run, x = extras["original_block"], args["img"]
-        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        txt_len = -1 if layout is None else x.shape[1] - layout.total
-        if txt_len < 0 or not self.fits(args, "modulation_dims", txt_len, layout):
-            return run(args)
-        return self.merged_call("single", args, run, layout.lead, txt_len, layout)
-
-    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan, reference_plans=()) -> dict:
+    def reduced_inputs(self, call) -> dict:
         """pe rows and mask columns of the destinations; modulation ranges moved onto the merged sequence."""
-        full = layout.total + txt_len
+        args, layout, plan = call.args, call.layout, call.plan
+        full = layout.total + call.txt_len
         pe, mask = args.get("pe"), args.get("attention_mask")
         out = {key: merged_ranges(args[key], layout.lead, layout.tokens, plan.num_merged)
-               for key in MODULATION_KEYS if args.get(key) is not None}
+               for key in MODULATION_KEYS.values() if args.get(key) is not None}
         if pe is None and mask is None:
             return out
         destinations = plan.destination_tokens().to((pe if pe is not None else mask).device)
@@ -137,14 +110,3 @@ class HunyuanVideoPatch(DiTPatch):
         if mask is not None:
             out["attention_mask"] = take_sequence(take_rows(mask, index, -1), index, -2, full)
         return out
-
-
-def patch(model, runtime, levels=None, scope="auto"):
-    """The patched clone (``levels`` is a UNet notion: a DiT has one token grid); ``scope`` places the
-    double blocks' merge (dit.attention_only)."""
-    dm = model.model.diffusion_model
-    blocks = HunyuanVideoPatch(runtime, attention_only=attention_only(scope, FAMILY), image_first=image_first(dm))
-    groups = flux_block_groups(dm, blocks)
-    stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model,
-                           HunyuanLayoutStash)
-    return patch_blocks(model, runtime, FAMILY, groups, stash)

@@ -1,5 +1,5 @@
-"""Adapter for LTX-Video (0.9.x, 2B and 13B; text-to-video, image-to-video, keyframe guides): its
-transformer blocks merge their video tokens (nodes/adapters/dit.py says how).
+"""LTX-Video (its declaration: LTXV in families.py; 0.9.x, 2B and 13B; text-to-video, image-to-video,
+keyframe guides): its transformer blocks merge their video tokens (nodes/adapters/dit.py says how).
 
 Layout: an LTX-Video block sees only video tokens ``img`` (B, N, C): self-attention with 3-D RoPE
 ``pe`` = (cos, sin), each (B, N, D), then cross-attention to the text ``txt`` (keys only: the text and
@@ -28,18 +28,10 @@ marks per-head (B, heads, N, D/2) tables. Anything else runs the blocks unmerged
 blocks a [video, audio] pair with its own per-stream tables and compressed timesteps: it comes back
 unpatched, with the reason, rather than patched with blocks that would never merge.
 """
-import logging
-
 import torch
 
-from .. import placement
-from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, layout_wrapper,
-                  patch_blocks, patched_side, sequence_index, take_rows, take_sequence)
+from .dit import DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows, take_sequence
 
-log = logging.getLogger("ComfyUI-ToMA")
-
-FAMILY = "LTX-Video"
-PRESET_KIND = "video"  # placement.PRESETS
 # Subclasses whose blocks take other inputs, and why they are not patched.
 REFUSED = {
     "LTXAVModel": "LTX-2's blocks take a [video, audio] pair with per-stream RoPE tables, audio-video "
@@ -47,13 +39,9 @@ REFUSED = {
 }
 
 
-def supports(model) -> bool:
-    try:
-        from comfy.ldm.lightricks.model import LTXVModel
-    except ImportError:  # the March-2024 tree
-        return False
-    dm = getattr(model.model, "diffusion_model", None)
-    return isinstance(dm, LTXVModel) and hasattr(dm, "transformer_blocks")
+def unserved(dm) -> str | None:
+    """Why the LTXVModel ``dm`` is not served (REFUSED), or None."""
+    return REFUSED.get(type(dm).__name__)
 
 
 def per_token(timestep) -> bool:
@@ -83,33 +71,19 @@ class LTXVLayoutStash(LayoutStash):
 class LTXVPatch(DiTPatch):
     """The block patch for [lead, video, guides] tokens with cross-attention to the text."""
 
-    def block(self, args: dict, extras: dict) -> dict:
-        run, img = extras["original_block"], args["img"]
-        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        if layout is None or not torch.is_tensor(img) or img.shape[1] != layout.total:
-            return run(args)
-        if not self.fits(args, layout):
-            self.runtime.notice("%s: a block's RoPE table or modulation does not cover its %d tokens as ToMA "
-                                "expects; those blocks run unmerged", FAMILY, layout.total)
-            return run(args)
-        return self.merged_call("video", args, run, layout.lead, 0, layout)
-
-    @staticmethod
-    def fits(args: dict, layout: ImageLayout) -> bool:
+    def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
         """Whether pe and vec cover the tokens (another patch may have changed them, or a newer ComfyUI
-        passes something else)."""
-        pe, vec = args.get("pe"), args.get("vec")
-        if pe is not None:
-            if not torch.is_tensor(pe) and not isinstance(pe, (tuple, list)):
-                return False
-            axis, tables = rope_token_axis(pe), rope_tables(pe)
-            if not tables or any(t.dim() <= axis or t.shape[axis] != layout.total for t in tables):
-                return False
-        return vec is None or (torch.is_tensor(vec) and vec.dim() > 1 and vec.shape[1] in (1, layout.total))
+        passes something else); where not, the blocks run unmerged, with a log message."""
+        if tables_fit(args, layout):
+            return True
+        self.runtime.notice("LTX-Video: a block's RoPE table or modulation does not cover its %d tokens as ToMA "
+                            "expects; those blocks run unmerged", layout.total)
+        return False
 
-    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan, reference_plans=()) -> dict:
+    def reduced_inputs(self, call) -> dict:
         """RoPE rows and (per-token timesteps) modulation rows of the destinations."""
-        pe, vec = args.get("pe"), args.get("vec")
+        layout, plan = call.layout, call.plan
+        pe, vec = call.args.get("pe"), call.args.get("vec")
         device = (vec if pe is None else pe[0]).device
         index = sequence_index(layout.lead, layout.tokens, layout.total, plan.destination_tokens().to(device))
         out = {"vec": take_sequence(vec, index, 1, layout.total)}
@@ -119,6 +93,18 @@ class LTXVPatch(DiTPatch):
             axis = rope_token_axis(pe)
             out["pe"] = tuple(take_rows(t, index, axis) if torch.is_tensor(t) else t for t in pe)
         return out
+
+
+def tables_fit(args: dict, layout: ImageLayout) -> bool:
+    """Whether a block call's pe and vec cover its ``layout`` tokens."""
+    pe, vec = args.get("pe"), args.get("vec")
+    if pe is not None:
+        if not torch.is_tensor(pe) and not isinstance(pe, (tuple, list)):
+            return False
+        axis, tables = rope_token_axis(pe), rope_tables(pe)
+        if not tables or any(t.dim() <= axis or t.shape[axis] != layout.total for t in tables):
+            return False
+    return vec is None or (torch.is_tensor(vec) and vec.dim() > 1 and vec.shape[1] in (1, layout.total))
 
 
 def rope_tables(pe) -> list:
@@ -135,16 +121,3 @@ def rope_token_axis(pe) -> int:
     return 2 if len(pe) > 2 and pe[2] is True else 1
 
 
-def patch(model, runtime, levels=None, scope=None):
-    """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
-    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
-    dm = model.model.diffusion_model
-    why = REFUSED.get(type(dm).__name__)
-    if why is not None:
-        log.warning("ToMA: %s is not served (%s); returned unpatched", type(dm).__name__, why)
-        return model
-    groups = [BlockGroup("double_block", "video", len(dm.transformer_blocks), LTXVPatch(runtime).block,
-                         SKIP_FRACTION["single"])]
-    stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patchifier.patch_size, model,
-                           LTXVLayoutStash)
-    return patch_blocks(model, runtime, FAMILY, groups, stash)

@@ -1,6 +1,6 @@
-"""Adapter for Lumina 2 and Z-Image (Turbo and base): ComfyUI builds both from Lumina 2's NextDiT
-(Z-Image with its own modulation, RoPE and token padding). The main layers merge their image tokens;
-text never merges.
+"""Lumina 2 and Z-Image (Turbo and base; their declaration: LUMINA in families.py): ComfyUI builds both
+from Lumina 2's NextDiT (Z-Image with its own modulation, RoPE and token padding). The main layers merge
+their image tokens; text never merges.
 
 Interception: NextDiT calls its layers directly, with no "dit" block-replace hook, so each main layer's
 ``forward`` is object-patched through the ModelPatcher (as the UNet blocks are, nodes/adapters/unet.py):
@@ -27,34 +27,16 @@ blocks, so the first 5/38 of them never merge: 4 of Z-Image's 30, 3 of Lumina 2'
 Token grid: the DIFFUSION_MODEL executor runs around ``_forward(x, timesteps, context, num_tokens,
 attention_mask, **kwargs)``, which sees the latent (B, 16, H, W).
 """
-import functools
 import inspect
-import logging
-import types
 
 import torch
 
-from .. import placement
-from ..host import install_run_hooks, original_attr
-from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, cannot_patch,
-                  joint_index, layout_wrapper, patched_side, take_rows, take_sequence)
+from .dit import LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, joint_index, patched_side, take_rows, take_sequence
 
-log = logging.getLogger("ComfyUI-ToMA")
-
-FAMILY = "Lumina 2 / Z-Image"
 PE_TOKEN_AXIS = 1
 # What NextDiT passes its main layers first, in order, and by name: the patched forward passes them on.
 LAYER_PARAMETERS = ("x", "x_mask", "freqs_cis", "adaln_input")
 OPTIONS_PARAMETER = "transformer_options"
-
-
-def supports(model) -> bool:
-    try:
-        from comfy.ldm.lumina.model import NextDiT
-    except ImportError:  # before Lumina 2 (Feb 2025)
-        return False
-    dm = getattr(model.model, "diffusion_model", None)
-    return isinstance(dm, NextDiT) and hasattr(dm, "layers")
 
 
 class NextDiTLayoutStash(LayoutStash):
@@ -62,8 +44,7 @@ class NextDiTLayoutStash(LayoutStash):
     the rows' captions differ in length."""
 
     def __init__(self, target, patch_size, runtime):
-        super().__init__(target, patch_size)
-        self.runtime = runtime
+        super().__init__(target, patch_size, runtime)
         self.pad_multiple = getattr(target.__self__, "pad_tokens_multiple", None)
 
     def layout(self, call: dict) -> ImageLayout | None:
@@ -73,8 +54,8 @@ class NextDiTLayoutStash(LayoutStash):
         if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[0] > 1:
             lengths = mask.sum(1)
             if not bool((lengths == lengths[0]).all()):  # once per model call, not per layer
-                self.runtime.notice("%s: the batch rows' captions differ in length, which puts their image "
-                                    "tokens at different places; those model calls run unmerged", FAMILY)
+                self.runtime.notice("Lumina 2 / Z-Image: the batch rows' captions differ in length, which puts their "
+                                    "image tokens at different places; those model calls run unmerged")
                 return None
         h, w = patched_side(x.shape[-2], self.patch), patched_side(x.shape[-1], self.patch)
         return ImageLayout(h, w, (-(h * w)) % self.pad_multiple if self.pad_multiple else 0)
@@ -97,9 +78,9 @@ class NextDiTPatch(DiTPatch):
             txt_len = -1 if layout is None else x.shape[1] - layout.total
             given = sorted(name for name, value in newer.items() if value is not None)
             if given:
-                patch.runtime.notice("%s: layers given %s, which ToMA does not merge, run unmerged", FAMILY,
-                                     ", ".join(given))
-            if given or txt_len < 0 or not patch.fits(x_mask, freqs_cis, txt_len + layout.total):
+                patch.runtime.notice("Lumina 2 / Z-Image: layers given %s, which ToMA does not merge, run "
+                                     "unmerged", ", ".join(given))
+            if given or txt_len < 0 or not layer_inputs_fit(x_mask, freqs_cis, txt_len + layout.total):
                 return run({"img": x, "attn_mask": x_mask, "pe": freqs_cis})["img"]
 
             args = {"img": x, "attn_mask": x_mask, "pe": freqs_cis, "transformer_options": transformer_options}
@@ -108,18 +89,18 @@ class NextDiTPatch(DiTPatch):
         forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one
         return forward
 
-    @staticmethod
-    def fits(mask, pe, full: int) -> bool:
-        """Whether the RoPE rows and the key mask, if any, cover exactly the ``full`` tokens."""
-        return (torch.is_tensor(pe) and pe.dim() > PE_TOKEN_AXIS and pe.shape[PE_TOKEN_AXIS] == full
-                and (mask is None or mask.shape[-1] == full))
-
-    def reduced_inputs(self, args: dict, txt_len: int, layout, plan, reference_plans=()) -> dict:
+    def reduced_inputs(self, call) -> dict:
         """RoPE rows and key-mask columns of the merged sequence [caption, destinations, padding]."""
-        pe, mask = args["pe"], args["attn_mask"]
-        index = joint_index(txt_len, layout, plan.destination_tokens().to(pe.device))
+        pe, mask = call.args["pe"], call.args["attn_mask"]
+        index = joint_index(call.txt_len, call.layout, call.plan.destination_tokens().to(pe.device))
         return {"pe": take_rows(pe, index, PE_TOKEN_AXIS),
-                "attn_mask": take_sequence(mask, index, -1, txt_len + layout.total)}
+                "attn_mask": take_sequence(mask, index, -1, call.txt_len + call.layout.total)}
+
+
+def layer_inputs_fit(mask, pe, full: int) -> bool:
+    """Whether the RoPE rows and the key mask, if any, cover exactly the ``full`` tokens."""
+    return (torch.is_tensor(pe) and pe.dim() > PE_TOKEN_AXIS and pe.shape[PE_TOKEN_AXIS] == full
+            and (mask is None or mask.shape[-1] == full))
 
 
 def layer_parameters_fit(forward) -> bool:
@@ -135,41 +116,12 @@ def layer_parameters_fit(forward) -> bool:
                     for p in rest))
 
 
-def patch(model, runtime, levels=None, scope=None):
-    """The patched clone (``levels`` and ``scope`` are UNet notions: NextDiT has one token grid);
-    ``model`` itself, unpatched with a message, where its layers are not the NextDiT layers this adapter
-    knows or the host cannot serve it."""
-    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
-    dm = model.model.diffusion_model
-    name = type(model.model).__name__
+
+def unserved(dm) -> str | None:
+    """Why the NextDiT ``dm`` is not served, or None: its main layers must take what the patched forward
+    passes on (layer_parameters_fit)."""
     forward = type(dm.layers[0]).forward
-    if not layer_parameters_fit(forward):
-        log.warning("ToMA: the layers of this %s (%s) take (%s), not (%s, then %s and optional ones) as ToMA "
-                    "passes them on; returned unpatched", name, FAMILY,
-                    ", ".join(tuple(inspect.signature(forward).parameters)[1:]), ", ".join(LAYER_PARAMETERS),
-                    OPTIONS_PARAMETER)
-        return model
-    stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model,
-                           functools.partial(NextDiTLayoutStash, runtime=runtime))
-    if cannot_patch(model, runtime, FAMILY, stash):
-        return model
-    group = BlockGroup("layer", "joint", len(dm.layers), None, SKIP_FRACTION["single"])
-    blocks = NextDiTPatch(runtime, PE_TOKEN_AXIS)
-    m = model.clone()
-    retaken = {}
-    for i in group.merged():
-        key = f"diffusion_model.layers.{i}.forward"
-        current = original_attr(m, key)
-        earlier = getattr(getattr(current, "__func__", None), "token_merge", None)
-        if earlier is not None:  # an earlier token merge node's patch: this node merges in its place
-            current, previous = earlier
-            retaken.setdefault(previous.name, []).append(f"layer {i}")
-        m.add_object_patch(key, types.MethodType(blocks.layer_forward(current), dm.layers[i]))
-    m.add_wrapper_with_key(*stash)
-    install_run_hooks(m, runtime)
-    for previous, layers in retaken.items():
-        log.info("ToMA: %s, nearer the sampler, merges %s in place of the %s node before it", runtime.name,
-                 ", ".join(layers), previous)
-    log.info("ToMA: %s patched on %s (%s): %d of %d layers merge", runtime.name, name, FAMILY,
-             len(group.merged()), group.depth)
-    return m
+    if layer_parameters_fit(forward):
+        return None
+    return (f"its layers take ({', '.join(tuple(inspect.signature(forward).parameters)[1:])}), not "
+            f"({', '.join(LAYER_PARAMETERS)}, then {OPTIONS_PARAMETER} and optional ones) as ToMA passes them on")

@@ -1,6 +1,6 @@
-"""Adapter for Qwen-Image and Qwen-Image-Edit: the 60 double-stream blocks merge their image tokens
-(nodes/adapters/dit.py says how), skipping the first 16, the fraction Flux skips (nothing specific to
-Qwen-Image argued for another). Text tokens are never merged.
+"""Qwen-Image and Qwen-Image-Edit (their declaration: QWEN_IMAGE in families.py): the 60 double-stream
+blocks merge their image tokens (nodes/adapters/dit.py says how), skipping the first 16, the fraction
+Flux skips (nothing specific to Qwen-Image argued for another). Text tokens are never merged.
 
 Positions: Qwen-Image's RoPE table ``pe`` is (B, L, 1, head_dim/2, 2, 2), its tokens along dim 1, in the
 order [txt, image, references] of the joint attention; from ComfyUI v0.3.75 (Nov 2025) on it is Flux's
@@ -28,41 +28,18 @@ trained edit model that copies detail from its reference may depend more on the 
 """
 import torch
 
-from .. import placement
-from .dit import SKIP_FRACTION, BlockGroup, DiTPatch, layout_wrapper, patch_blocks
-
-FAMILY = "Qwen-Image"
-PE_TOKEN_AXIS = 1  # until Oct 2025; Flux's axis 2 after
+from .dit import DiTPatch
 
 
 class QwenImagePatch(DiTPatch):
-    """Double-block patches that read the RoPE table's token axis from each call (see Positions)."""
+    """Double-block patches that read the RoPE table's token axis from each call (see Positions); the
+    reference grids of Qwen-Image-Edit merge, each by a plan of its own."""
 
-    def __init__(self, runtime):
-        super().__init__(runtime, PE_TOKEN_AXIS, merge_references=True)
-        self.flux_layout = DiTPatch(runtime, merge_references=True)  # the same runtime: the same plans
+    pe_axis = 1  # until Oct 2025; Flux's axis 2 after
+    merge_references = True
 
-    def double_block(self, args: dict, extras: dict) -> dict:
+    def pe_axis_of(self, args: dict) -> int:
         pe = args.get("pe")
         if torch.is_tensor(pe) and pe.dim() > 2 and pe.shape[1] == 1 and pe.shape[2] > 1:
-            return self.flux_layout.double_block(args, extras)
-        return super().double_block(args, extras)
-
-
-def supports(model) -> bool:
-    try:
-        from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
-    except ImportError:  # before Qwen-Image (Aug 2025)
-        return False
-    dm = getattr(model.model, "diffusion_model", None)
-    return isinstance(dm, QwenImageTransformer2DModel) and hasattr(dm, "transformer_blocks")
-
-
-def patch(model, runtime, levels=None, scope=None):
-    """The patched clone (``levels`` and ``scope`` are UNet notions: a DiT has one token grid)."""
-    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
-    dm = model.model.diffusion_model
-    groups = [BlockGroup("double_block", "double", len(dm.transformer_blocks),
-                         QwenImagePatch(runtime).double_block, SKIP_FRACTION["double"])]
-    stash = layout_wrapper("DIFFUSION_MODEL", getattr(dm, "_forward", None), dm.patch_size, model)
-    return patch_blocks(model, runtime, FAMILY, groups, stash)
+            return 2
+        return self.pe_axis

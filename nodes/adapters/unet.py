@@ -281,7 +281,10 @@ def patch_node_name(fn) -> str:
     return qualname.split(".")[0] if ".<locals>." in qualname else qualname
 
 
-FAMILY = "SD1.x/SD2.x/SDXL UNet"
+# What every adapter offers (nodes/adapters/__init__.py): its name in messages, and the names users know
+# its models by.
+name = "SD1.x/SD2.x/SDXL UNet"
+names = ("SD1.x", "SD2.x", "SDXL")
 
 
 def supports(model) -> bool:
@@ -299,7 +302,7 @@ def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
     of downsample factors; scope: a placement.SCOPES value, "auto" = "attention" (anything else is a
     ValueError naming it). Where keys merge, a strategy whose ``proportional`` is set weighs each merged
     key as the tokens it stands for."""
-    scope = placement.resolve(scope, FAMILY, placement.UNET_PLACEMENTS, placement.UNET_AUTO)
+    scope = placement.resolve(scope, name, placement.UNET_PLACEMENTS, placement.UNET_AUTO)
     dm = model.model.diffusion_model
     available = attention_levels(dm)
     levels = resolve_levels(levels, available)

@@ -1,6 +1,6 @@
-"""Adapter for Wan 2.1 / 2.2 video DiTs: every block merges the video tokens of its call (the block's
-update x + U(block(Mx) - Mx), nodes/adapters/dit.py says how), in windows that span frames x rows x
-columns of the video's token grid.
+"""Wan 2.1 / 2.2 video DiTs (their declaration: WAN in families.py): every block merges the video tokens
+of its call (the block's update x + U(block(Mx) - Mx), nodes/adapters/dit.py says how), in windows that
+span frames x rows x columns of the video's token grid.
 
 Served: T2V and I2V/FLF2V 2.1 (CLIP image tokens are part of ``context``, which cross-attention reads
 in full), the 2.2 14B high- and low-noise experts (the same class), the 2.2 5B TI2V model, VACE, Camera,
@@ -37,18 +37,10 @@ Token grid: Wan's DIFFUSION_MODEL executor runs around ``_forward``, which sees 
 W) padded to the patch (1, 2, 2), the timesteps and the reference latent: T x ceil(H/2) x ceil(W/2)
 tokens (less the first frame under per-frame timesteps), passed to the runtime as (frames, h, w).
 """
-import logging
-
 import torch
 
-from .. import placement
-from .dit import (LAYOUT_KEY, SKIP_FRACTION, BlockGroup, DiTPatch, ImageLayout, LayoutStash, layout_wrapper,
-                  patch_blocks, patched_side, sequence_index, take_rows)
+from .dit import DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows
 
-log = logging.getLogger("ComfyUI-ToMA")
-
-FAMILY = "Wan 2.1/2.2"
-PRESET_KIND = "video"  # placement.PRESETS
 SERVED = ("T2V, I2V, FLF2V, 2.2 14B high/low-noise, 2.2 5B TI2V, VACE, Camera, Fun with reference latent, "
           "Animate")
 # Variants whose blocks ComfyUI calls in a way merged tokens cannot follow, and why.
@@ -73,12 +65,13 @@ def served_classes() -> tuple:
     return (*classes, AnimateWanModel)
 
 
-def supports(model) -> bool:
-    try:
-        from comfy.ldm.wan.model import WanModel
-    except ImportError:  # a ComfyUI without Wan (the March-2024 tree)
-        return False
-    return isinstance(getattr(model.model, "diffusion_model", None), WanModel)
+def unserved(dm) -> str | None:
+    """Why the WanModel ``dm`` is not served, or None: exact classes only (a subclass may call its blocks
+    otherwise)."""
+    if type(dm) in served_classes():
+        return None
+    why = REFUSED.get(type(dm).__name__, "an unknown Wan variant, whose blocks may be called otherwise")
+    return f"{why}. Wan variants served: {SERVED}"
 
 
 def per_frame(timestep) -> bool:
@@ -93,8 +86,8 @@ class VideoLayoutStash(LayoutStash):
     tokens (and, under per-frame timesteps, the first frame) lead the grid unmerged, time-concatenated
     frames follow it unmerged. ``target``: that bound method; ``patch_size``: the model's (t, h, w) patch."""
 
-    def __init__(self, target, patch_size):
-        super().__init__(target, tuple(patch_size))
+    def __init__(self, target, patch_size, runtime=None):
+        super().__init__(target, tuple(patch_size), runtime)
         self.prepends_reference = getattr(target.__self__, "ref_conv", None) is not None
 
     def layout(self, call: dict) -> ImageLayout | None:
@@ -131,40 +124,21 @@ def modulation_rows(rows: int, tokens: int, device) -> torch.Tensor:
 
 
 class WanPatch(DiTPatch):
-    """The "dit" double_block patches of one patched Wan clone."""
+    """The "dit" double_block patches of one patched Wan clone: [lead, video, extra] (B, L, C) with the
+    video grid merged; context (text and CLIP image tokens) passes whole."""
 
-    def block(self, args: dict, extras: dict) -> dict:
-        """[lead, video, extra] (B, L, C) with the video grid merged; context (text and CLIP image tokens)
-        passes whole, and so does a call the layout does not account for."""
-        run, seq, pe = extras["original_block"], args["img"], args.get("pe")
-        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        if (layout is None or seq.shape[1] != layout.total
-                or not torch.is_tensor(pe) or pe.dim() < 2 or pe.shape[1] != layout.total):
-            return run(args)
-        return self.merged_call("video", args, run, layout.lead, 0, layout)
+    def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
+        pe = args.get("pe")
+        return torch.is_tensor(pe) and pe.dim() >= 2 and pe.shape[1] == layout.total
 
-    def reduced_inputs(self, args: dict, txt_len: int, layout: ImageLayout, plan, reference_plans=()) -> dict:
+    def reduced_inputs(self, call) -> dict:
         """pe (1, L, 1, d/2, 2, 2) and a per-token e0 (B, rows, 6, C) cut to the rows of the merged
         sequence [lead, destinations, extra]."""
+        args, layout = call.args, call.layout
         pe, vec = args["pe"], args.get("vec")
-        index = sequence_index(layout.lead, layout.tokens, layout.total, plan.destination_tokens().to(pe.device))
+        index = sequence_index(layout.lead, layout.tokens, layout.total, call.plan.destination_tokens().to(pe.device))
         inputs = {"pe": take_rows(pe, index, 1)}
         if modulation_per_token(vec):
             row_of_token = modulation_rows(vec.shape[1], args["img"].shape[1], vec.device)
             inputs["vec"] = take_rows(vec, row_of_token[index.to(vec.device)], 1)
         return inputs
-
-
-def patch(model, runtime, levels=None, scope=None):
-    """The patched clone (``levels`` and ``scope`` are UNet notions: Wan has one token grid); ``model``
-    itself, unpatched with a message, for the variants in REFUSED or unknown subclasses."""
-    placement.resolve(scope or placement.AUTO, FAMILY, (placement.BLOCK,), placement.BLOCK)
-    dm = model.model.diffusion_model
-    name = type(dm).__name__
-    if type(dm) not in served_classes():
-        why = REFUSED.get(name, "an unknown Wan variant, whose blocks may be called otherwise")
-        log.warning("ToMA: %s is not served (%s); returned unpatched. Wan variants served: %s", name, why, SERVED)
-        return model
-    groups = [BlockGroup("double_block", "video", len(dm.blocks), WanPatch(runtime).block, SKIP_FRACTION["single"])]
-    stash = layout_wrapper("DIFFUSION_MODEL", dm._forward, dm.patch_size, model, VideoLayoutStash)
-    return patch_blocks(model, runtime, FAMILY, groups, stash)

@@ -1,0 +1,70 @@
+"""The DiT families ToMA serves, one declaration each (``family.DiTFamily``; the generic supports/patch
+are there, and nodes/adapters/dit.py says how blocks merge). What a family needs beyond data (another
+token layout, other per-token inputs) is a DiTPatch or LayoutStash subclass in its own module.
+
+Skipped fractions: the paper merges Flux double blocks 5-18 of 19 and single blocks 5-37 of 38; other
+depths skip the same fraction of each group (SKIP_FRACTION). A group of whole transformer layers over
+one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
+"""
+from .. import placement
+from . import hunyuan_video, ltxv, lumina, qwen_image, wan
+from .dit import SKIP_FRACTION
+from .family import OBJECT_PATCH, BlockGroup, DiTFamily
+
+DOUBLE, SINGLE = SKIP_FRACTION["double"], SKIP_FRACTION["single"]
+# Flux's layout: double blocks (image and text streams apart), then single blocks (one joint sequence)
+FLUX_GROUPS = (BlockGroup("double_blocks", "double_block", "double", DOUBLE, "double_block"),
+               BlockGroup("single_blocks", "single_block", "single", SINGLE, "single_block"))
+# Both placements on Flux-layout double blocks: "attention" (the paper's: the double-block MLP at full
+# resolution, only the joint attention on merged tokens, through ComfyUI's attention override) and
+# "block". The MLP holds 2/3 of the image stream's projection FLOPs, so merging it is most of the speed-up;
+# docs/benchmarks.md weighs that against fidelity.
+BOTH = (placement.ATTENTION, placement.BLOCK)
+
+# Flux (dev, schnell, Kontext, Fill) and Flux.2 (the same class). The DIFFUSION_MODEL executor runs around
+# ``_forward``, which sees the latent and the Kontext/Flux.2 reference latents (their tokens follow the
+# image's and stay whole); a Flux without it is read at BaseModel._apply_model (the same latent).
+FLUX = DiTFamily("Flux", ("Flux", "Flux.2"), False, "comfy.ldm.flux.model:Flux", FLUX_GROUPS,
+                 wrappers=("DIFFUSION_MODEL", "APPLY_MODEL"), placements=BOTH,
+                 never_merged="text, reference images")
+
+# SD3/SD3.5 (MMDiT): the joint blocks merge as Flux's double blocks do; the position embedding is added
+# once at the input, so nothing positional reaches the blocks. No DIFFUSION_MODEL executor: the latent is
+# read at BaseModel._apply_model (same latent size).
+SD3 = DiTFamily("SD3/SD3.5", ("SD3",), False, "comfy.ldm.modules.diffusionmodules.mmdit:MMDiT",
+                (BlockGroup("joint_blocks", "double_block", "double", DOUBLE, "double_block"),),
+                wrappers=("APPLY_MODEL",))
+
+HUNYUAN_VIDEO = DiTFamily("HunyuanVideo", ("HunyuanVideo", "HunyuanVideo 1.5"), True,
+                          "comfy.ldm.hunyuan_video.model:HunyuanVideo", FLUX_GROUPS, hunyuan_video.HunyuanVideoPatch,
+                          hunyuan_video.HunyuanLayoutStash, placements=BOTH,
+                          never_merged="text, SigLIP tokens, reference latents, the image-to-video first frame")
+
+LTXV = DiTFamily("LTX-Video", ("LTX-Video",), True, "comfy.ldm.lightricks.model:LTXVModel",
+                 (BlockGroup("transformer_blocks", "double_block", "video", SINGLE, "block"),),
+                 ltxv.LTXVPatch, ltxv.LTXVLayoutStash, patch_size="patchifier.patch_size",
+                 never_merged="text, keyframe guides, the image-to-video first frame", unserved=ltxv.unserved)
+
+WAN = DiTFamily("Wan 2.1/2.2", ("Wan",), True, "comfy.ldm.wan.model:WanModel",
+                (BlockGroup("blocks", "double_block", "video", SINGLE, "block"),), wan.WanPatch,
+                wan.VideoLayoutStash,
+                never_merged="text, CLIP image tokens, reference and subject frames, the TI2V first frame",
+                unserved=wan.unserved)
+
+QWEN_IMAGE = DiTFamily("Qwen-Image", ("Qwen-Image",), False, "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",
+                       (BlockGroup("transformer_blocks", "double_block", "double", DOUBLE, "double_block"),),
+                       qwen_image.QwenImagePatch, never_merged="text (Edit references merge by plans of their own)")
+
+# Chroma and Chroma Radiance: Flux's blocks, merged as Flux's are. Each block's modulation comes from the
+# distilled-guidance approximator as per-sample (B, 1, C) slices, not per token, so it passes unchanged; an
+# attn_mask (T5 padding, regional prompts) is cut to the merged rows. Radiance patchifies pixels 16x16.
+CHROMA = DiTFamily("Chroma", ("Chroma",), False, "comfy.ldm.chroma.model:Chroma", FLUX_GROUPS, placements=BOTH)
+
+# Lumina 2 and Z-Image (NextDiT): no "dit" hook, each main layer's forward object-patched; the context and
+# noise refiners (text only, image only) never merge.
+LUMINA = DiTFamily("Lumina 2 / Z-Image", ("Z-Image", "Lumina 2"), False, "comfy.ldm.lumina.model:NextDiT",
+                   (BlockGroup("layers", "layer", "joint", SINGLE, "layer_forward"),), lumina.NextDiTPatch,
+                   lumina.NextDiTLayoutStash, intercept=OBJECT_PATCH,
+                   never_merged="text, Z-Image's padding tokens", unserved=lumina.unserved)
+
+DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA)

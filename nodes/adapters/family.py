@@ -1,0 +1,207 @@
+"""A DiT family is a declaration (``DiTFamily``), and one generic ``supports``/``patch`` serves them all.
+
+A declaration says, as data: the diffusion model class to detect (by import path, imported only when a
+model is looked up: older ComfyUI trees lack it, and then the family is simply absent), its block
+groups (where the blocks are, how each is intercepted, the fraction never merged), the ``DiTPatch``
+class that reads its block calls (which tokens are the image or video grid; text, references, audio and
+first frames with their own timestep stay whole), the ``LayoutStash`` class and the wrapper through
+which the blocks learn the call's token grid, the placements it honours, and why a model of the class
+may still not be served. ``nodes/adapters/families.py`` holds the rows.
+
+Interception:
+- ``REPLACE``: ComfyUI's "dit" block-replace patches (``transformer_options["patches_replace"]["dit"]``),
+  keyed by (hook, block index).
+- ``OBJECT_PATCH``: models that call their blocks directly (Lumina 2's NextDiT) get each block's
+  ``forward`` object-patched, as the UNet blocks are.
+- The attention override of scope "attention" is a placement (``placements``), not an interception: the
+  replace patch hands the block an ``optimized_attention_override`` (``dit.MergedAttention``).
+
+Stacked token merge nodes: the nearer node's patch replaces an earlier node's patch of the same block
+(that node's runtime is found through the patch), so the node nearer the sampler merges where both
+would, as on UNets; the earlier node's stats name the node that took its blocks (``DiTPatch.taken_from``
+-> ``MergeRuntime.leave``). Other nodes' replace patches keep their blocks.
+"""
+import importlib
+import logging
+import operator
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .. import placement
+from ..host import WRAPPER_KEY, install_run_hooks, original_attr
+from ..runtime import MergeRuntime
+from .dit import DiTPatch, LayoutStash, attention_only, blocks_after
+
+log = logging.getLogger("ComfyUI-ToMA")
+
+REPLACE = "dit replace patch"
+OBJECT_PATCH = "forward object patch"
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """One group of blocks that merge: ``blocks`` is the diffusion model's attribute that holds them,
+    ``hook`` the name of a block's patch point ("dit" replace patches: "double_block", "single_block";
+    object patches: the name logs use), ``group`` the name plans, stats and the merge map use, ``skip``
+    the fraction of the group's first blocks that never merge, ``handler`` the family's DiTPatch method
+    that serves a block call (object patches: that makes a layer's patched forward from its original)."""
+
+    blocks: str
+    hook: str
+    group: str
+    skip: float
+    handler: str
+
+    def merged(self, depth: int) -> range:
+        return blocks_after(depth, self.skip)
+
+
+@dataclass(frozen=True, eq=False)
+class DiTFamily:
+    """One DiT family, as data (see the module docstring).
+
+    name: in messages and logs. names: what users know its models by, in the node description, README,
+    help pages and pyproject.toml (tests/test_family_lists.py). video: whether its grid has frames.
+    model_class: "module:Class" of the diffusion model. groups: its BlockGroups. blocks: its DiTPatch
+    class. stash: its LayoutStash class, wrapping the first of ``wrappers`` ("DIFFUSION_MODEL": the
+    diffusion model's ``_forward``; "APPLY_MODEL": ``BaseModel._apply_model``) the model has.
+    patch_size: the diffusion model's attribute path to its patch size. intercept: REPLACE or
+    OBJECT_PATCH. placements: the placement.SCOPES it honours. never_merged: the tokens that stay whole,
+    in words (the patch log line says them). unserved: diffusion model -> why it is not served, or None."""
+
+    name: str
+    names: tuple[str, ...]
+    video: bool
+    model_class: str
+    groups: tuple[BlockGroup, ...]
+    blocks: type = DiTPatch
+    stash: type = LayoutStash
+    wrappers: tuple[str, ...] = ("DIFFUSION_MODEL",)
+    patch_size: str = "patch_size"
+    intercept: str = REPLACE
+    placements: tuple[str, ...] = (placement.BLOCK,)
+    never_merged: str = "text"
+    unserved: Callable | None = None
+
+    def model_type(self):
+        """The diffusion model class, or None where this ComfyUI has none."""
+        module, name = self.model_class.split(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return None
+
+    def supports(self, model) -> bool:
+        cls = self.model_type()
+        dm = getattr(model.model, "diffusion_model", None)
+        return cls is not None and isinstance(dm, cls) and all(hasattr(dm, g.blocks) for g in self.groups)
+
+    def scope(self, scope) -> str:
+        """The placement this family uses for the node's ``scope`` (None: "auto")."""
+        auto = placement.DIT_AUTO if placement.DIT_AUTO in self.placements else placement.BLOCK
+        return placement.resolve(scope or placement.AUTO, self.name, self.placements, auto)
+
+    def layout_wrapper(self, model, runtime: MergeRuntime):
+        """(wrapper type, key, stash) for ModelPatcher.add_wrapper_with_key around the first of
+        ``wrappers`` the model has; None in a host without wrappers, or a model without that call."""
+        try:
+            from comfy.patcher_extension import WrappersMP
+        except ImportError:
+            return None
+        where = self.wrapper_of(model)
+        if where is None or not hasattr(model, "add_wrapper_with_key"):
+            return None
+        dm = model.model.diffusion_model
+        stash = self.stash(wrapped(model, where), operator.attrgetter(self.patch_size)(dm), runtime)
+        return getattr(WrappersMP, where), WRAPPER_KEY, stash
+
+    def wrapper_of(self, model) -> str | None:
+        """The first of ``wrappers`` whose call ``model`` has."""
+        return next((where for where in self.wrappers if wrapped(model, where) is not None), None)
+
+    def patch(self, model, runtime: MergeRuntime, levels=None, scope=None):
+        """The patched clone (``levels`` is a UNet notion: a DiT has one token grid); ``model`` itself,
+        unpatched with a log message, when the model, the strategy or the host cannot be served."""
+        chosen = self.scope(scope)
+        dm = model.model.diffusion_model
+        why = self.unserved(dm) if self.unserved is not None else None
+        if why is not None:
+            log.warning("ToMA: %s (%s) is not served: %s; returned unpatched", type(dm).__name__, self.name, why)
+            return model
+        name = type(model.model).__name__
+        if not runtime.strategy.patches_dits:
+            log.warning("ToMA: %s is a UNet baseline and does not patch DiTs; %s (%s) returned unpatched (use "
+                        "the ToMA node on DiTs)", runtime.name, name, self.name)
+            return model
+        stash = self.layout_wrapper(model, runtime)
+        if stash is None:
+            log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
+                        "unpatched", name)
+            return model
+        blocks = self.blocks(runtime, attention_only=attention_only(chosen, self.name))
+        m = model.clone()
+        intercept = self.replace_blocks if self.intercept == REPLACE else self.object_patch_blocks
+        merged, left, retaken = intercept(m, dm, blocks)
+        m.add_wrapper_with_key(*stash)
+        install_run_hooks(m, runtime)
+        if left:
+            log.info("ToMA: %s left unmerged (already patched by another node)", ", ".join(left))
+        for previous, taken in retaken.items():
+            log.info("ToMA: %s, nearer the sampler, merges %s in place of the %s node before it", runtime.name,
+                     ", ".join(taken), previous.name)
+        log.info("ToMA: %s patched on %s (%s): %d of %d blocks merge (%s never)", runtime.name, name, self.name,
+                 len(merged), sum(len(getattr(dm, g.blocks)) for g in self.groups), self.never_merged)
+        return m
+
+    def replace_blocks(self, m, dm, blocks: DiTPatch):
+        """Set the "dit" replace patches of the merged blocks on ``m``: (merged, left to other nodes,
+        {earlier token merge node's runtime: blocks taken from it})."""
+        taken = m.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+        merged, left, retaken = [], [], {}
+        for g in self.groups:
+            for i in g.merged(len(getattr(dm, g.blocks))):
+                earlier = taken.get((g.hook, i))
+                if earlier is not None:
+                    previous = token_merge_node_of(earlier)
+                    if previous is None:
+                        left.append(f"{g.hook} {i}")
+                        continue
+                    retaken.setdefault(previous, []).append(f"{g.hook} {i}")
+                    blocks.took(g.group, previous)
+                m.set_model_patch_replace(getattr(blocks, g.handler), "dit", g.hook, i)
+                merged.append(f"{g.hook} {i}")
+        return merged, left, retaken
+
+    def object_patch_blocks(self, m, dm, blocks: DiTPatch):
+        """Object-patch the ``forward`` of the merged blocks on ``m``; an earlier token merge node's patched
+        forward is replaced by one around the original. Same return as ``replace_blocks``."""
+        merged, retaken = [], {}
+        for g in self.groups:
+            layers = getattr(dm, g.blocks)
+            for i in g.merged(len(layers)):
+                key = f"diffusion_model.{g.blocks}.{i}.forward"
+                current = original_attr(m, key)
+                earlier = getattr(getattr(current, "__func__", None), "token_merge", None)
+                if earlier is not None:
+                    current, previous = earlier
+                    retaken.setdefault(previous, []).append(f"{g.hook} {i}")
+                    blocks.took(g.group, previous)
+                m.add_object_patch(key, types.MethodType(getattr(blocks, g.handler)(current), layers[i]))
+                merged.append(f"{g.hook} {i}")
+        return merged, [], retaken
+
+
+def wrapped(model, where: str):
+    """The function the ``where`` executor of ``model`` runs ("DIFFUSION_MODEL": the diffusion model's
+    ``_forward``; "APPLY_MODEL": ``BaseModel._apply_model``), or None where it has none."""
+    owner, name = ((model.model.diffusion_model, "_forward") if where == "DIFFUSION_MODEL"
+                   else (model.model, "_apply_model"))
+    return getattr(owner, name, None)
+
+
+def token_merge_node_of(patch):
+    """The runtime of the token merge node whose block patch ``patch`` (a "dit" replace patch) is, or
+    None for another node's patch."""
+    owner = getattr(patch, "__self__", None)
+    return owner.runtime if isinstance(owner, DiTPatch) else None

@@ -1,0 +1,275 @@
+"""Every DiT family passes the same checks: one table, one row per model (a family declaration in
+nodes/adapters/families.py, a tiny random-weight model built from ComfyUI's own classes, how to sample
+it), each check run for every row through ComfyUI's sampler. A row whose model class the ComfyUI tree
+lacks is skipped, saying which tree has it. The family test files keep only what is a family's own.
+
+The checks: ratio 0 is bit-identical to the unpatched model; merging into every token (every token a
+destination) reproduces it; ratio 0.5 merges half of each block group's grid on odd, non-square and
+square sizes, batch 1 and 2, short and long text, 1, 5 and 9 latent frames for video, and the stats name
+exactly those grids; a LoRA applies on either side of the node; the input model is untouched; no state
+leaks from one run into the next; of two stacked token merge nodes the nearer one merges, and the
+stats of the other say which node took its blocks.
+"""
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from toma_bench import comfy_host, dit_checks, models, sampling
+from toma_bench.metrics import relative_l2
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
+
+
+@dataclass(frozen=True, eq=False)
+class Row:
+    """A model of one DiT family: ``family`` names its declaration in families.py; ``host`` the
+    comfy.supported_models class a ComfyUI tree must have (``tree``: the setup script of the first test
+    tree that has it); ``build()`` its ModelPatcher; ``text(batch, tokens, seed)`` its conditioning;
+    latents are (B, ``channels``, [frames,] H, W), with a frames axis for ``video`` and ``frame_axis``
+    (Qwen-Image: one Wan-VAE frame), ``patch`` latent pixels a token per side; ``sizes`` {"odd": odd and
+    non-square, "square": ...} in latent pixels; ``texts`` (short, long) text lengths; ``lora_key`` a
+    weight inside a merged block; ``bound`` the relative L2 ratio 0.5 stays under (2 steps of the random
+    model: a few times what was measured)."""
+
+    family: str
+    host: str
+    tree: str
+    build: object
+    text: object
+    channels: int
+    patch: int
+    sizes: dict
+    texts: tuple
+    lora_key: str
+    bound: float = 0.25
+    video: bool = False
+    frame_axis: bool = False
+
+
+def text(context_dim, **options):
+    return lambda batch, tokens, seed: models.text_conditioning(context_dim, batch, tokens, seed, **options)
+
+
+def nextdit_text(config):
+    """Lumina 2 / Z-Image: one caption row with its attention mask, as the text encoder gives it."""
+    return lambda batch, tokens, seed: models.text_conditioning(
+        config["cap_feat_dim"], 1, tokens, seed, attention_mask=torch.ones(1, tokens, dtype=torch.long))
+
+
+CURRENT, NEWEST = "tests/setup_current.sh", "tests/setup_newest.sh"
+IMAGE = {"odd": (27, 39), "square": (16, 16)}  # patch 2: 14x20 tokens (no window of 4 divides it), 8x8
+ROWS = {
+    "flux": Row("FLUX", "Flux", CURRENT, lambda: models.build_flux(seed=1),
+                lambda b, t, s: models.dit_conditioning("flux", models.FLUX_TINY, b, t, s), 16, 2, IMAGE, (77, 256),
+                "diffusion_model.single_blocks.2.linear2.weight"),
+    "sd3": Row("SD3", "SD3", CURRENT, lambda: models.build_sd3(seed=2),
+               lambda b, t, s: models.dit_conditioning("sd3", models.SD3_TINY, b, t, s), 16, 2, IMAGE, (77, 256),
+               "diffusion_model.joint_blocks.1.x_block.mlp.fc2.weight"),
+    "chroma": Row("CHROMA", "Chroma", CURRENT, lambda: models.build_chroma(seed=21),
+                  text(models.CHROMA_TINY["context_in_dim"], pooled_output=None), 16, 2, IMAGE, (77, 512),
+                  "diffusion_model.single_blocks.2.linear2.weight", bound=0.15),
+    "qwen_image": Row("QWEN_IMAGE", "QwenImage", CURRENT, lambda: models.build_qwen_image(seed=11),
+                      text(models.QWEN_IMAGE_TINY["joint_attention_dim"]), 16, 2, IMAGE, (77, 512),
+                      "diffusion_model.transformer_blocks.2.img_mlp.net.2.weight", bound=0.05, frame_axis=True),
+    "lumina2": Row("LUMINA", "Lumina2", CURRENT, lambda: models.build_nextdit(models.LUMINA2_TINY, seed=41),
+                   nextdit_text(models.LUMINA2_TINY), 16, 2, IMAGE, (23, 40),
+                   "diffusion_model.layers.2.attention.qkv.weight"),
+    "hunyuan_video": Row("HUNYUAN_VIDEO", "HunyuanVideo", CURRENT, lambda: models.build_hunyuan_video(seed=1),
+                         lambda b, t, s: models.video_conditioning("hunyuan_video", models.HUNYUAN_VIDEO_TINY, b, t, s),
+                         16, 2, {"odd": (14, 22), "square": (12, 12)}, (77, 512),
+                         "diffusion_model.single_blocks.1.linear1.weight", bound=0.1, video=True),
+    "ltxv": Row("LTXV", "LTXV", CURRENT, lambda: models.build_ltxv(seed=1),
+                lambda b, t, s: models.video_conditioning("ltxv", models.LTXV_TINY, b, t, s),
+                models.LTXV_TINY["in_channels"], 1, {"odd": (7, 11), "square": (8, 8)}, (128, 512),
+                "diffusion_model.transformer_blocks.2.attn1.to_v.weight", bound=0.1, video=True),
+    "wan": Row("WAN", "WAN21_T2V", CURRENT, lambda: models.build_wan("t2v", seed=1),
+               lambda b, t, s: models.wan_conditioning(models.WAN_TINY, b, t, s), 16, 2,
+               {"odd": (13, 19), "square": (12, 16)}, (77, 512), "diffusion_model.blocks.2.self_attn.v.weight",
+               bound=0.1, video=True),
+    "z_image": Row("LUMINA", "ZImage", NEWEST, lambda: models.build_nextdit(models.Z_IMAGE_TINY, seed=42),
+                   nextdit_text(models.Z_IMAGE_TINY), 16, 2, IMAGE, (23, 40),
+                   "diffusion_model.layers.2.attention.qkv.weight"),
+    "flux2": Row("FLUX", "Flux2", NEWEST, lambda: models.build_flux2(seed=51),
+                 text(models.FLUX2_TINY["context_in_dim"], guidance=4.0, pooled_output=None), 128, 1,
+                 {"odd": (13, 19), "square": (16, 16)}, (40, 77), "diffusion_model.single_blocks.2.linear2.weight"),
+    "hunyuan_video15": Row("HUNYUAN_VIDEO", "HunyuanVideo15", NEWEST, lambda: models.build_hunyuan_video15(seed=52),
+                           text(models.HUNYUAN_VIDEO15_TINY["context_in_dim"], pooled_output=None), 32, 1,
+                           {"odd": (7, 9), "square": (6, 6)}, (30, 77),
+                           "diffusion_model.double_blocks.2.img_mlp.0.weight", video=True),
+}
+NAMES = sorted(ROWS)
+# Half ratio: every size, batch and text length once, and 1, 5 and 9 latent frames on video:
+# (size, batch, text (0 short, 1 long), latent frames)
+IMAGE_CASES = [("odd", 1, 0, 5), ("square", 2, 1, 5)]
+VIDEO_CASES = [("odd", 2, 1, 1), ("square", 1, 0, 5), ("odd", 1, 0, 9)]
+HALF_RATIO = [pytest.param(name, case, id=f"{name}-{case[0]}-batch{case[1]}-text{case[2]}-frames{case[3]}")
+              for name in NAMES for case in (VIDEO_CASES if ROWS[name].video else IMAGE_CASES)]
+# Every token a destination: windows of 2 x 2 tokens over one frame, and fewer merged than a window holds
+EXACT = {"ratio": 0.1, "window": 2, "temporal_window": 1}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread while this module runs: on tensors this small OpenMP's fork and join cost
+    more than they save, and on a shared CPU many times more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def row(request, pack):
+    """The table's row ``request.param``, skipped where this ComfyUI lacks its model class."""
+    import comfy.supported_models
+
+    row = ROWS[request.param]
+    if not hasattr(comfy.supported_models, row.host):
+        pytest.skip(f"{row.host} is not in this ComfyUI: bash {row.tree}, then COMFYUI_PATH=.comfyui-"
+                    f"{'newest' if row.tree == NEWEST else 'current'}")
+    return row
+
+
+@pytest.fixture(scope="module")
+def built():
+    """{Row: ModelPatcher} built so far, released with the module (ComfyUI's patchers must not outlive
+    the interpreter's teardown of comfy's modules)."""
+    patchers = {}
+    yield patchers
+    patchers.clear()
+
+
+@pytest.fixture
+def model(row, built):
+    """The row's ModelPatcher, built once; tests only ever patch clones of it."""
+    if row not in built:
+        built[row] = row.build()
+    return built[row]
+
+
+every_family = pytest.mark.parametrize("row", NAMES, indirect=True)
+
+
+def family_of(pack, row):
+    return getattr(pack.nodes.adapters.families, row.family)
+
+
+def sample(row, model, size="odd", batch=1, text=0, frames=5, cfg=1.0, seed=0):
+    frame_axis = [frames] if row.video else [1] if row.frame_axis else []
+    latent = torch.zeros(batch, row.channels, *frame_axis, *row.sizes[size])
+    return sampling.sample(model, row.text(batch, row.texts[text], seed), latent, steps=2, cfg=cfg,
+                           scheduler="simple", seed=seed)
+
+
+def grid(row, size="odd", frames=5) -> tuple[int, ...]:
+    """The token grid of a latent of ``size`` (and ``frames``, on video)."""
+    h, w = (-(-side // row.patch) for side in row.sizes[size])
+    return (frames, h, w) if row.video else (h, w)
+
+
+def levels(pack, row, model, size="odd", frames=5) -> list[str]:
+    """The levels the stats name: each block group with merged blocks, on the call's grid."""
+    dm = model.model.diffusion_model
+    name = "x".join(map(str, grid(row, size, frames)))
+    return sorted(f"{g.group} {name}" for g in family_of(pack, row).groups
+                  if hasattr(dm, g.blocks) and g.merged(len(getattr(dm, g.blocks))))
+
+
+def expected_patch_points(pack, row, model) -> set:
+    """The patch points (dit_checks.patch_points) the declaration says the node sets: every block of each
+    group but the first ones."""
+    family, dm = family_of(pack, row), model.model.diffusion_model
+    merged = [(g, i) for g in family.groups if hasattr(dm, g.blocks) for i in g.merged(len(getattr(dm, g.blocks)))]
+    if family.intercept == pack.nodes.adapters.family.REPLACE:
+        return {(g.hook, i) for g, i in merged}
+    return {f"diffusion_model.{g.blocks}.{i}.forward" for g, i in merged}
+
+
+@every_family
+def test_the_adapter_of_the_model_is_its_declaration(pack, row, model):
+    assert pack.nodes.adapters.adapter_for(model) is family_of(pack, row)
+
+
+@every_family
+def test_ratio_zero_is_identical_to_unpatched(pack, row, model):
+    dit_checks.check_ratio_zero_identical(pack, model, lambda m: sample(row, m, batch=2))
+
+
+@every_family
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, row, model):
+    """Every token of a window a destination: merging only permutes the grid's tokens, and with each
+    token's own position rows the output is the unpatched model's (batch rows and CFG batches too)."""
+    patched, runtime = dit_checks.toma_patched(pack, model, **EXACT)
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(row, m, batch=2, cfg=2.0))
+    assert sorted(runtime.summary()["levels"]) == levels(pack, row, model)
+
+
+@pytest.mark.parametrize("row, case", HALF_RATIO, indirect=["row"])
+def test_half_ratio_merges_every_group_on_every_shape(pack, row, model, case):
+    size, batch, text_length, frames = case
+    dit_checks.check_half_ratio_merges(dit_checks.toma_patched(pack, model), model,
+                                       lambda m: sample(row, m, size, batch, text_length, frames),
+                                       levels(pack, row, model, size, frames), math.prod(grid(row, size, frames)),
+                                       bound=row.bound)
+
+
+@every_family
+def test_lora_applies_on_either_side_of_the_node(pack, row, model):
+    """With every token a destination, a LoRA'd model gives the unpatched LoRA'd output whether the LoRA
+    comes before or after the node, and the node's own model stays as it was."""
+    def run(m):
+        return sample(row, m)
+
+    with_lora = run(dit_checks.lora_clone(model, row.lora_key))
+    assert relative_l2(with_lora, run(model)) > 1e-3
+    before, runtime = dit_checks.toma_patched(pack, dit_checks.lora_clone(model, row.lora_key), **EXACT)
+    toma, _ = dit_checks.toma_patched(pack, model, **EXACT)
+    plain = run(toma)
+    after = dit_checks.lora_clone(toma, row.lora_key)
+    assert relative_l2(run(before), with_lora) < 1e-5 and relative_l2(run(after), with_lora) < 1e-5
+    assert torch.equal(run(toma), plain)
+    assert runtime.summary()["levels"]
+
+
+@every_family
+def test_the_input_model_is_untouched(pack, row, model):
+    """The node patches a clone: exactly the declared blocks of each group but its first, the layout
+    wrapper on the clone only; the input stays as it was."""
+    dit_checks.check_input_model_unchanged(pack, model, lambda m: sample(row, m),
+                                           expected_patch_points(pack, row, model),
+                                           family_of(pack, row).wrapper_of(model).lower())
+
+
+@every_family
+def test_no_state_leaks_between_runs(pack, row, model):
+    patched, runtime = dit_checks.toma_patched(pack, model)
+    dit_checks.check_no_state_leak(pack, patched, runtime, lambda m: sample(row, m),
+                                   lambda m: sample(row, m, "square", batch=2, text=1, seed=7), grid(row))
+
+
+@every_family
+def test_two_stacked_nodes_the_nearer_merges_and_each_says_what_it_merged(pack, row, model, sent):
+    """Two ToMA nodes on one model: the one nearer the sampler merges every block both would (the stack
+    samples as that node alone), its stats name the grids it merged, and the other node's stats name the
+    node that took its blocks. The other node's own model still merges by itself."""
+    node = pack.nodes.toma_nodes.ToMAPatchModel()
+    (inner,) = node.patch(model, 0.75, 4, 5, unique_id="inner")
+    (outer,) = node.patch(inner, 0.25, 4, 5, unique_id="outer")
+    alone, _ = dit_checks.toma_patched(pack, model, ratio=0.25)
+
+    out = sample(row, outer)
+
+    assert torch.equal(out, sample(row, alone))
+    assert dit_checks.patch_points(outer) == dit_checks.patch_points(inner)
+    lines = {data["node"]: data["lines"] for _, data, _ in sent}
+    expected = levels(pack, row, model)
+    assert [line.split(":")[0] for line in lines["outer"][:-1]] == expected
+    assert lines["inner"][:-1] == [f"{level}: left to the ToMA node nearer the sampler, which took its blocks"
+                                   for level in expected]
+    sent.clear()
+    sample(row, inner)
+    (inner_lines,) = [data["lines"] for _, data, _ in sent if data["node"] == "inner"]
+    assert [line.split(":")[0] for line in inner_lines[:-1]] == expected
+    assert not any("left to" in line for line in inner_lines)
