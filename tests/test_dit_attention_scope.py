@@ -61,11 +61,17 @@ def test_half_ratio_stays_close_and_differs_from_block_scope(pack, flux):
 
 
 def test_auto_scope_is_the_dit_default(pack, flux):
-    """The basic node and scope "auto" place the merge as placement.DIT_AUTO says."""
-    default = pack.nodes.placement.DIT_AUTO
-    expected = sample(toma_patched(pack, flux, scope=default)[0])
+    """Scope "auto" places the merge as the image-DiT preset says, and the basic node is the Advanced node
+    with scope "auto" and the preset's start and step schedule."""
+    preset = pack.nodes.placement.PRESETS["dit"]
+    expected = sample(toma_patched(pack, flux, scope=preset.scope)[0])
     assert torch.equal(sample(toma_patched(pack, flux, scope="auto")[0]), expected)
-    assert torch.equal(sample(toma_patched(pack, flux)[0]), expected)
+    (basic,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(flux, 0.5, 4, 5)
+    preset_run = toma_patched(pack, flux, scope="auto", levels=preset.levels, start_percent=preset.start_percent,
+                              merge_every=preset.merge_every, weights_interval=preset.weights_interval)[0]
+    assert torch.equal(sample(basic), sample(preset_run))
+    if preset.start_percent:
+        assert not torch.equal(sample(basic), expected)
 
 
 def test_an_override_already_set_is_chained(pack, flux):

@@ -193,7 +193,7 @@ def dit_front(tn, video: bool) -> list[Variant]:
     """Around the DiT default (whole blocks, window 4, reuse 5, every step from the first): the first 20% of
     the schedule unmerged, window 8, one step in 2, per-block plans; on Flux layouts also the attention-only
     placement. For choosing each DiT family's default on the GPU clock."""
-    out = [Variant("unpatched", "", lambda m: m), node_default(tn, 0.5)]
+    out = [Variant("unpatched", "", lambda m: m)]
     out += [toma(tn, "ToMA block", f"r={r:g}", r, scope="block") for r in RATIOS]
     out += [toma(tn, "ToMA block, start 0.2", f"r={r:g}", r, scope="block", start_percent=0.2) for r in RATIOS]
     out += [toma(tn, "ToMA block, window 8", f"r={r:g}", r, scope="block", window_size=8) for r in (0.5, 0.75)]
@@ -202,6 +202,9 @@ def dit_front(tn, video: bool) -> list[Variant]:
     out += [toma(tn, "ToMA block, 1 step in 2", f"r={r:g}", r, scope="block", merge_every=2) for r in (0.5, 0.75)]
     out += [toma(tn, "ToMA block, per block", "r=0.5", 0.5, scope="block", plan_per_block=True)]
     if not video:
+        out += [toma(tn, f"ToMA block, start {p:g}", "r=0.75", 0.75, scope="block", start_percent=p) for p in (0.3, 0.4)]
+        out += [toma(tn, "ToMA block, start 0.2, 1 step in 2", "r=0.75", 0.75, scope="block", start_percent=0.2,
+                     merge_every=2)]
         out += [toma(tn, "ToMA attention", f"r={r:g}", r, scope="attention") for r in (0.5, 0.75)]
         out += [toma(tn, "ToMA attention, start 0.2", "r=0.75", 0.75, scope="attention", start_percent=0.2)]
     return out

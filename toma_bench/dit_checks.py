@@ -18,14 +18,12 @@ LOGGER = "ComfyUI-ToMA"
 
 
 def toma_patched(pack, model, ratio=0.5, window=4, reuse=5, **advanced):
-    """(``model`` patched by the ToMA node, its runtime); with ``advanced`` options (None values dropped),
-    by the Advanced node given them."""
+    """(``model`` patched by the Advanced ToMA node, its runtime): scope "auto" and a merge on every step
+    unless ``advanced`` (None values dropped) says otherwise. (The basic node adds its kind's start and
+    step schedule, placement.PRESETS: test_dit_attention_scope checks it against this.)"""
     nodes = pack.nodes.toma_nodes
     advanced = {k: v for k, v in advanced.items() if v is not None}
-    if advanced:
-        (patched,) = nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse, **advanced)
-    else:
-        (patched,) = nodes.ToMAPatchModel().patch(model, ratio, window, reuse)
+    (patched,) = nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse, **advanced)
     return patched, pack.nodes.runtime.runtime_of(patched)
 
 
