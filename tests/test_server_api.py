@@ -115,7 +115,7 @@ def test_methods_comparison_workflow_saves_each_method_and_its_merge_map(client)
     assert not np.array_equal(images["toma_merge_map"], images["tomesd_merge_map"])
 
 
-@pytest.mark.parametrize("name, value", [("ratio", 5), ("window_size", 0)])
+@pytest.mark.parametrize("name, value", [("ratio", 5), ("window_size", -1)])
 def test_bad_value_is_refused_naming_the_input_and_server_keeps_serving(client, name, value):
     graph = small(server.load_workflow("sd15_toma_api.json"), seed=100 + value)
     patch_id = next(i for i, node in graph.items() if node["class_type"] == "ToMAPatchModel")

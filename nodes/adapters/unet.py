@@ -132,24 +132,26 @@ class UNetPatch:
         self.levels = levels
         self.scope = scope
         self.proportional = proportional and scope in placement.KEYS_MERGED
-        self.current = None  # (options, token shape) noted by observe, taken by the attn1.forward patch
+        # (options, token shape, whether it arrived as self-attention) noted by observe, taken by attn1.forward
+        self.current = None
 
     def __deepcopy__(self, memo):
         # observe (in model_options, deep-copied by every clone) and the object-patched forwards (shared
         # by clones) must reach one object
         return self
 
-    def plan_for(self, x, features, transformer_options, arrived):
+    def plan_for(self, x, features, transformer_options, arrived, keys_changed=False):
         """The plan for this block call, or None to run it unmerged. ``arrived``: the (batch, tokens)
-        shape the block's input had before any attention patch."""
+        shape the block's input had before any attention patch; ``keys_changed``: another node changed the
+        self-attention's keys (the block then runs unmerged, and the stats say who took it)."""
         grid = token_grid(arrived[1], transformer_options)
         if grid is None or grid[2] not in self.levels:
             return None
         h, w, ds = grid
         level = level_name(grid)
-        if tuple(x.shape[:2]) != tuple(arrived):
+        if tuple(x.shape[:2]) != tuple(arrived) or keys_changed:
             taker = self.runtime.leave(level, transformer_options, lambda: self.token_changer(level))
-            self.runtime.notice("%s leaves level %s unmerged: %s changed its tokens first (%d tokens in batch "
+            self.runtime.notice("%s leaves level %s unmerged: %s changed its tokens or keys first (%d tokens in batch "
                                 "%d instead of %d in batch %d)", self.runtime.name, level, taker,
                                 x.shape[1], x.shape[0], arrived[1], arrived[0])
             return None
@@ -174,12 +176,16 @@ class UNetPatch:
     # scope "attention" -------------------------------------------------------------------------
     def observe(self, n, context_attn1, value_attn1, extra_options):
         if self.current is not None:  # the last block called no attn1.forward: another node replaced it
-            options, arrived = self.current
+            options, arrived, _ = self.current
             grid = token_grid(arrived[1], options)
             if grid is not None and grid[2] in self.levels:
-                self.runtime.notice("%s leaves level %s unmerged in the blocks whose self-attention another "
-                                    "node replaced (SAG, PAG)", self.runtime.name, level_name(grid))
-        self.current = (extra_options, tuple(n.shape[:2]))
+                # SAG and PAG replace it; a nearer token merge node with proportional attention runs it itself
+                level = level_name(grid)
+                taker = self.runtime.leave(level, options, lambda: self.token_changer(level))
+                self.runtime.notice("%s leaves level %s unmerged in the blocks whose self-attention %s "
+                                    "replaced (SAG, PAG, or a nearer token merge node)", self.runtime.name, level,
+                                    taker)
+        self.current = (extra_options, tuple(n.shape[:2]), context_attn1 is None or context_attn1 is n)
         return n, context_attn1, value_attn1
 
     def attention_forward(self, original):
@@ -191,10 +197,13 @@ class UNetPatch:
             if patch is not None:
                 call, patch.current = patch.current, None
             self_attention = (context is None or context is x) and (value is None or value is x)
-            # attending to a context instead (disable_self_attn), only the queries can merge
+            # attending to a context instead (disable_self_attn), only the queries can merge; a call that
+            # arrived as self-attention but reaches us otherwise had its tokens or keys changed by another
+            # node (HyperTile, ComfyUI's ToMe, a nearer token merge node): plan_for says so and steps aside
+            changed = call is not None and call[2] and not self_attention
             mergeable = patch is not None and (self_attention or patch.scope != placement.KEYS_VALUES)
-            plan = (None if call is None or mask is not None or not mergeable
-                    else patch.plan_for(x, lambda: x, *call))
+            plan = (None if call is None or mask is not None or not (mergeable or changed)
+                    else patch.plan_for(x, lambda: x, *call[:2], keys_changed=changed))
             if plan is None:
                 return original(x, context=context, value=value, mask=mask, **kwargs)
             merged = patch.runtime.timed("merge", plan.merge, x)
