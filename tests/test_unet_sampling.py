@@ -165,8 +165,11 @@ CASES = {
     "sd15-block-scope": Case("sd15", "ToMAPatchModelAdvanced", advanced(scope="block")),
     "sd15-tomesd": Case("sd15", "ToMeSDPatchModel", {"ratio": 0.5}),
     "sd15-catome": Case("sd15", "CAToMePatchModel", {"threshold": 0.5}),
-    "sdxl-square": Case("sdxl", "ToMAPatchModel", TOMA, levels=(2,)),
-    "sdxl-3:2-cfg5": Case("sdxl", "ToMAPatchModel", TOMA, (1, 32, 48), cfg=5.0, levels=(2,)),
+    # scope auto on SDXL at the SDXL preset's levels, 1/2 and 1/4 (placement.PRESETS["sdxl"]; the basic node
+    # also leaves the first 15% of the schedule unmerged: test_placements)
+    "sdxl-square": Case("sdxl", "ToMAPatchModelAdvanced", advanced(levels="auto+next"), levels=(2, 4)),
+    "sdxl-3:2-cfg5": Case("sdxl", "ToMAPatchModelAdvanced", advanced(levels="auto+next"), (1, 32, 48), cfg=5.0,
+                          levels=(2, 4)),
     "sdxl-2:3-block-auto+next": Case("sdxl", "ToMAPatchModelAdvanced",
                                      advanced(scope="block", levels="auto+next"), (1, 38, 26), levels=(2, 4)),
     "sdxl-tomesd-max2": Case("sdxl", "ToMeSDPatchModel", {"ratio": 0.5, "max_downsample": 2}, levels=(2,)),
@@ -384,11 +387,17 @@ def attention_diff(model, key, seed, scale=0.1):
 LORA_KEY = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_v.weight"  # a 1/1 level block
 
 
-def test_auto_scope_is_attention_on_unets(pack, sd15, toma_square):
-    """The basic node (toma_square) and the Advanced node's default scope "auto" merge self-attention only."""
-    for scope in ("auto", "attention"):
-        assert torch.equal(sample(patch(pack, "ToMAPatchModelAdvanced", sd15.model, **advanced(scope=scope)), "sd15"),
-                           toma_square)
+def test_auto_scope_is_the_kinds_preset_on_unets(pack, sd15, toma_square):
+    """The Advanced node's scope "auto" is the SD1.x preset's placement and fixes; the basic node
+    (toma_square) is scope "auto" with the preset's levels, start, weights interval and merge_every."""
+    preset = pack.nodes.placement.PRESETS["sd1"]
+    explicit = advanced(scope=preset.scope, plan_per_block=preset.plan_per_block,
+                        shared_destinations=preset.shared_destinations, proportional_attention=preset.proportional)
+    auto = sample(patch(pack, "ToMAPatchModelAdvanced", sd15.model, **advanced(scope="auto")), "sd15")
+    assert torch.equal(auto, sample(patch(pack, "ToMAPatchModelAdvanced", sd15.model, **explicit), "sd15"))
+    basic = advanced(scope="auto", levels=preset.levels, weights_interval=preset.weights_interval,
+                     start_percent=preset.start_percent, merge_every=preset.merge_every)
+    assert torch.equal(sample(patch(pack, "ToMAPatchModelAdvanced", sd15.model, **basic), "sd15"), toma_square)
 
 
 def test_merge_every_second_step_runs_the_unpatched_model_on_odd_steps(pack, sd15):
