@@ -143,7 +143,7 @@ def test_a_dit_falls_back_to_its_default_placement_and_says_so(pack, scope, capl
         patched = advanced(pack, model, scope)
     assert any(f"cannot merge with scope {scope}" in r.getMessage() and "it uses block" in r.getMessage()
                for r in caplog.records)
-    default = pack.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, 0.5, 4, 5)[0]
+    default = advanced(pack, model, "block")
     conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 16, 0)
     latent = torch.zeros(1, 16, 16, 16)
     assert torch.equal(sampling.sample(patched, conditioning, latent, steps=1),
