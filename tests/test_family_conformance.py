@@ -257,7 +257,7 @@ def test_two_stacked_nodes_the_nearer_merges_and_each_says_what_it_merged(pack, 
     node = pack.nodes.toma_nodes.ToMAPatchModel()
     (inner,) = node.patch(model, 0.75, 4, 5, unique_id="inner")
     (outer,) = node.patch(inner, 0.25, 4, 5, unique_id="outer")
-    alone, _ = dit_checks.toma_patched(pack, model, ratio=0.25)
+    (alone,) = node.patch(model, 0.25, 4, 5)
 
     out = sample(row, outer)
 
