@@ -218,14 +218,14 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                 "plan_per_block": ("BOOLEAN", {"default": False, "tooltip": "Each block picks destinations and "
                                    "weights from its own input (reused across steps per block); off = one plan "
                                    "per level or block group, built from its first block."}),
-                "shared_destinations": ("BOOLEAN", {"default": False, "tooltip": "With plan_per_block: the "
-                                        "first block of each level or block group chooses the destinations, "
-                                        "each block computes its own weights to them (one selection per level "
-                                        "instead of per block: far fewer GPU kernels, a little less faithful)."}),
                 "proportional_attention": ("BOOLEAN", {"default": False, "tooltip": "UNets, scopes attention "
                                            "and keys/values: a merged key weighs in the softmax as the tokens "
                                            "it stands for (ToMe's proportional attention; fused attention "
                                            "kernels still apply)."}),
+                "shared_destinations": ("BOOLEAN", {"default": False, "tooltip": "With plan_per_block: the "
+                                        "first block of each level or block group chooses the destinations, "
+                                        "each block computes its own weights to them (one selection per level "
+                                        "instead of per block: far fewer GPU kernels, a little less faithful)."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
