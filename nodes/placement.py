@@ -56,8 +56,8 @@ class Preset:
     """What the basic node, and the Advanced node's scope "auto", use on one kind of model: the placement
     and the fidelity fixes that go with it, chosen from the speed-vs-fidelity fronts on the GPU clock
     (docs/benchmarks.md, "The defaults, and why", names the row each one came from). ``levels``,
-    ``weights_interval``, ``start_percent`` and ``merge_every`` are the basic node's; the Advanced node shows them as inputs
-    of its own. ``window_size`` is what the window input's 0 ("auto") means on both nodes."""
+    ``weights_interval``, ``start_percent`` and ``merge_every`` are the basic node's; the Advanced node
+    shows them as inputs of its own. ``window_size`` is what the window input's 0 ("auto") means on both nodes."""
 
     scope: str
     plan_per_block: bool = False
@@ -74,7 +74,7 @@ KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image Di
 
 
 # Kinds of model: UNets with attention at full resolution (SD1.x/SD2.x), UNets without (SDXL), image
-# DiTs, video DiTs (the adapter says which: its PRESET_KIND, or preset_kind(model) for the UNet).
+# DiTs, video DiTs (toma_nodes.preset_of: the UNet adapter's preset_kind(model), a DiT declaration's video).
 PRESETS = {
     # keys/values at window 8 with per-block weights to the level's destinations and proportional attention:
     # at ratio 0.75, 39.3 dB at 10.1% of SD1.5's FLOPs saved, where ComfyUI's ToMe r=0.75 keeps 37.8 dB at 9.6%

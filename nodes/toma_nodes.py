@@ -239,10 +239,10 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                      end_percent=end_percent, tau=tau, exact_unmerge=exact_unmerge, temporal_window=temporal_window,
                      merge_every=merge_every, plan_per_block=plan_per_block,
                      proportional_attention=proportional_attention, shared_destinations=shared_destinations)
+        preset = preset_of(model)
         if window_size == 0:
-            window_size = preset_of(model).window_size
+            window_size = preset.window_size
         if scope == placement.AUTO:
-            preset = preset_of(model)
             scope = preset.scope
             plan_per_block = plan_per_block or preset.plan_per_block
             shared_destinations = shared_destinations or preset.shared_destinations
