@@ -2,19 +2,19 @@
 
 Every merge group (a kept token and the tokens merged into it) gets its own colour (a token nothing was
 merged into stays grey), kept tokens carry a dark dot, and the borders of the windows the method merges
-inside (ToMA tiles, ToMeSD/CA-ToMe cells) are black lines. Nothing is recomputed: the runtime recorded
-the plans while sampling (see ``plan_records``), and the node reads them through the registry id the
-patch node stored in the MODEL.
+inside (ToMA's windows, ToMeSD/CA-ToMe strides) are black lines. Nothing is recomputed: the runtime
+recorded the plans while sampling (see ``runtime.records``), and the node reads them through the runtimes
+the patch nodes stored in the MODEL.
 """
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .plan_records import PlanRecord
 from .runtime import runtimes_of
-from .toma_nodes import CATEGORY, check_inputs
+from .runtime.records import PlanRecord
+from .inputs import check_inputs
+from .toma_nodes import CATEGORY
 
 PIXELS_PER_LATENT = 8  # the map has the size of the decoded image of the latent
 GOLDEN = (math.sqrt(5) - 1) / 2
@@ -75,39 +75,29 @@ def render_record(record: PlanRecord, height: int, width: int, image: torch.Tens
         under = F.interpolate(image.permute(2, 0, 1)[None].float(), size=(height, width), mode="bilinear",
                               align_corners=False)[0].permute(1, 2, 0).clamp(0, 1)
         picture = opacity * picture + (1 - opacity) * under
-    if record.cell is not None:
-        border = window_borders(rows, record.cell[0])[:, None] | window_borders(cols, record.cell[1])[None, :]
+    if record.window is not None:
+        border = window_borders(rows, record.window[0])[:, None] | window_borders(cols, record.window[1])[None, :]
         picture[border] = BORDER
     return picture
 
 
-@dataclass
-class StackPlans:
-    """The recorded plans of a stack of token merge nodes: each level from the node nearest the sampler
-    that merged it (nodes further away leave such levels alone)."""
-
-    records: dict
-    levels: dict
-
-    @classmethod
-    def of(cls, runtimes) -> "StackPlans":
-        records, levels = {}, {}
-        for runtime in runtimes:
-            for name, found in runtime.records.items():
-                if found and name not in records:
-                    records[name] = found
-                    if name in runtime.levels:
-                        levels[name] = runtime.levels[name]
-        return cls(records, levels)
+def stack_levels(runtimes) -> dict:
+    """Level -> LevelStats of the levels with recorded plans of a stack of token merge nodes (``runtimes``,
+    nearest the sampler first): each level from the nearest node that merged it (nodes further away leave
+    such levels alone)."""
+    levels = {}
+    for runtime in runtimes:
+        for level, stats in runtime.report().levels.items():
+            if stats.records and level not in levels:
+                levels[level] = stats
+    return levels
 
 
-def level_names(runtime) -> list[str]:
-    """Block groups with recorded plans, most tokens first; equal grids (Flux double and single blocks)
-    in the order they first merged."""
-    def tokens(name):
-        first = runtime.records[name][0]
-        return first.frames * first.h * first.w
-    return sorted((n for n, r in runtime.records.items() if r), key=tokens, reverse=True)
+def merged_levels(levels: dict) -> list:
+    """The Levels of ``levels`` (Level -> LevelStats) with recorded plans, most tokens first; equal grids
+    (Flux's two block groups) in the order they first merged."""
+    return sorted((level for level, stats in levels.items() if stats.records), key=lambda level: level.tokens,
+                  reverse=True)
 
 
 def step_ranges(steps) -> str:
@@ -121,10 +111,10 @@ def step_ranges(steps) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
-def choose_record(runtime, level: int, step: int) -> tuple[str, PlanRecord]:
-    """(level name, the record of the plan used at ``step`` at ``level``), or a ValueError saying what
-    there is to choose from."""
-    names = level_names(runtime)
+def choose_record(levels: dict, level: int, step: int) -> tuple:
+    """(the Level, the record of the plan used at ``step`` at the ``level``-th of ``levels`` (Level ->
+    LevelStats, merged_levels' order)), or a ValueError saying what there is to choose from."""
+    names = merged_levels(levels)
     if not names:
         raise ValueError("the patched model has no recorded merge plans: run a sampler with this MODEL first "
                          "(connect the LATENT it produced), and check that some step merged (start/end percent, "
@@ -133,8 +123,7 @@ def choose_record(runtime, level: int, step: int) -> tuple[str, PlanRecord]:
         listed = "; ".join(f"{i} = {n}" for i, n in enumerate(names))
         raise ValueError(f"level must be between 0 and {len(names) - 1} for this run ({listed}), got {level}")
     name = names[level]
-    records = runtime.records[name]
-    merged = runtime.levels[name].steps if name in runtime.levels else {r.step for r in records}
+    records, merged = levels[name].records, levels[name].steps
     if step == -1:
         step = max(merged)
     if step not in merged:
@@ -154,7 +143,7 @@ def latent_size(latent: dict) -> tuple[int, int]:
     return int(samples.shape[-2]), int(samples.shape[-1])
 
 
-def check_grid_matches(record: PlanRecord, name: str, h: int, w: int):
+def check_grid_matches(record: PlanRecord, name, h: int, w: int):
     """The plans must come from a run on this latent's shape (token grid = latent / downsample, rounded up)."""
     if abs(record.h * w - record.w * h) > max(h, w):
         raise ValueError(f"latent: the recorded plans of level {name} are for a {record.h}x{record.w} token grid, "
@@ -198,9 +187,9 @@ class ToMAMergeMap:
 
     def draw(self, model, latent, level=0, step=-1, image=None, opacity=0.5):
         check_inputs(ToMAMergeMap, level=level, step=step, opacity=opacity)
-        runtime = StackPlans.of(runtimes_of(model))
+        levels = stack_levels(runtimes_of(model))
         h, w = latent_size(latent)
-        name, record = choose_record(runtime, level, step)
+        name, record = choose_record(levels, level, step)
         check_grid_matches(record, name, h, w)
         under = None if image is None else image[0]
         picture = render_record(record, h * PIXELS_PER_LATENT, w * PIXELS_PER_LATENT, under,

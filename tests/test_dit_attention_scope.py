@@ -153,7 +153,7 @@ def test_one_double_block_by_hand(pack, flux):
     with torch.no_grad():
         got = dit.DiTPatch(runtime, attention_only=True).double_block(args, {"original_block": original})
         unmerged = original({**args, "img": img.clone(), "txt": txt.clone()})
-        (plan,) = runtime.plans.values()
+        (plan,) = runtime.report().plans.values()
         assert plan.num_merged < h * w
 
         img_mod1, img_mod2 = block.img_mod(vec)

@@ -84,7 +84,7 @@ def test_merged_block_call_gets_destination_positions(pack, built, block):
         joint = torch.cat([args["txt"], args["img"]], 1)
         out = patch.single_block({**args, "img": joint}, {"original_block": spy})
         image_in = joint
-    (plan,) = runtime.plans.values()
+    (plan,) = runtime.report().plans.values()
     destinations = plan.destination_tokens()
     n = destinations.shape[1]
     assert n < h * w

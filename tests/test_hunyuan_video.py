@@ -128,9 +128,10 @@ def test_merge_map_draws_the_first_frame_of_the_video_grid(pack, model):
     patched, runtime = toma_patched(pack, model)
     samples = sample(patched)
     mm = pack.nodes.merge_map
-    assert mm.level_names(runtime) == ["double 5x7x11", "single 5x7x11"]
-    for level, name in enumerate(mm.level_names(runtime)):
-        record = runtime.records[name][-1]
+    levels = runtime.report().levels
+    assert [level.label for level in mm.merged_levels(levels)] == ["double 5x7x11", "single 5x7x11"]
+    for level, name in enumerate(mm.merged_levels(levels)):
+        record = levels[name].records[-1]
         assert (record.frames, record.h, record.w) == (5, 7, 11) and record.groups.numel() == 385
         image, = mm.ToMAMergeMap().draw(patched, {"samples": samples}, level, -1)
         assert image.shape == (1, 8 * 14, 8 * 22, 3) and torch.isfinite(image).all()
@@ -196,7 +197,7 @@ def test_merged_block_call_gets_destination_rows_and_moved_ranges(pack, model, b
         single = {k: v for k, v in args.items() if k not in ("txt", "modulation_dims_img", "modulation_dims_txt")}
         out = patch.single_block({**single, "img": joint}, {"original_block": spy})
         image_in = joint
-    (plan,) = runtime.plans.values()
+    (plan,) = runtime.report().plans.values()
     destinations = plan.destination_tokens()
     n = destinations.shape[1]
     assert n < n_video and seen["img"].shape[1] == image_in.shape[1] - (n_video - n)
@@ -221,7 +222,7 @@ def test_a_modulation_range_inside_the_video_leaves_the_block_unmerged(pack, mod
     seen = {}
     with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
         hv.HunyuanVideoPatch(runtime).double_block(dict(args), {"original_block": dit_checks.spy(seen, None, ("txt",))})
-    assert seen["img"] is args["img"] and not runtime.plans
+    assert seen["img"] is args["img"] and not runtime.report().plans
     assert "split the video grid" in caplog.text
 
 

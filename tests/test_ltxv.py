@@ -115,7 +115,7 @@ def spied_block_call(pack, model, layout, batch, vec, pe, text_mask, seed):
     _, runtime = toma_patched(pack, model)
     seen = {}
     out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
-    (plan,) = runtime.plans.values()
+    (plan,) = runtime.report().plans.values()
     return args, seen, out, plan.destination_tokens()
 
 
@@ -218,7 +218,7 @@ def test_a_block_given_a_video_audio_pair_runs_unmerged(pack, model):
                                                   dit.LAYOUT_KEY: dit.ImageLayout(3, 4, frames=1)}}
     _, runtime = toma_patched(pack, model)
     out = lt.LTXVPatch(runtime).block(args, {"original_block": lambda a: {"img": a["img"]}})
-    assert out["img"] is pair and not runtime.plans
+    assert out["img"] is pair and not runtime.report().plans
 
 
 def test_ltx2_comes_back_unpatched_with_the_reason(pack, caplog):

@@ -66,9 +66,9 @@ def known_plan(pack, h=4, w=6, tile=2):
 def test_toma_record_groups_are_the_argmax_destination(pack):
     plan, expected = known_plan(pack)
 
-    record = pack.nodes.plan_records.record_plan(plan, step=3, hw=(4, 6))
+    record = pack.nodes.runtime.records.record_plan(plan, step=3, grid=(4, 6))
 
-    assert (record.step, record.h, record.w, record.cell) == (3, 4, 6, (2, 2))
+    assert (record.step, record.h, record.w, record.window) == (3, 4, 6, (2, 2))
     assert record.groups.dtype == torch.int32 and record.groups.device.type == "cpu"
     assert torch.equal(record.groups.long(), expected)
     assert sorted(record.kept.tolist()) == sorted(set(expected.tolist()))
@@ -80,7 +80,7 @@ def test_toma_record_on_random_features_matches_most_similar_destination(pack):
     x = torch.randn(2, h * w, 16, generator=torch.Generator().manual_seed(1))
     plan = core.plan_tiles(x, (h, w), tile, 0.5, generator=torch.Generator().manual_seed(2))
 
-    record = pack.nodes.plan_records.record_plan(plan, 0, (h, w))
+    record = pack.nodes.runtime.records.record_plan(plan, 0, (h, w))
 
     xn = torch.nn.functional.normalize(x[0], dim=-1)
     kept = record.kept.long()
@@ -100,7 +100,7 @@ def test_bipartite_record(pack):
     plan = core.tomesd_plan(x, (h, w), 0.25, generator=torch.Generator().manual_seed(4))
     method = types.SimpleNamespace(sx=2, sy=2)
 
-    record = pack.nodes.plan_records.record_plan(plan, 1, (h, w), method)
+    record = pack.nodes.runtime.records.record_plan(plan, 1, (h, w), method)
 
     groups = record.groups.long()
     src, dst = plan.src_index[0], plan.dst_index[0]
@@ -109,7 +109,7 @@ def test_bipartite_record(pack):
     stay = torch.ones(h * w, dtype=torch.bool)
     stay[moved] = False
     assert torch.equal(groups[stay], torch.arange(h * w)[stay])
-    assert record.kept.numel() == plan.num_merged and record.cell == (2, 2)
+    assert record.kept.numel() == plan.num_merged and record.window == (2, 2)
 
 
 # -- picture ---------------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def token_pixel(y, x, px):
 
 def test_map_colours_match_recorded_groups(pack, mm):
     plan, expected = known_plan(pack)
-    record = pack.nodes.plan_records.record_plan(plan, 0, (4, 6))
+    record = pack.nodes.runtime.records.record_plan(plan, 0, (4, 6))
     px = 8
 
     picture = mm.render_record(record, 4 * px, 6 * px)
@@ -149,7 +149,7 @@ def test_map_greys_tokens_nothing_was_merged_into(pack, mm):
     h, w = 6, 8
     x = torch.randn(1, h * w, 8, generator=torch.Generator().manual_seed(5))
     plan = core.tomesd_plan(x, (h, w), 0.2, generator=torch.Generator().manual_seed(6))
-    record = pack.nodes.plan_records.record_plan(plan, 0, (h, w), types.SimpleNamespace(sx=2, sy=2))
+    record = pack.nodes.runtime.records.record_plan(plan, 0, (h, w), types.SimpleNamespace(sx=2, sy=2))
     px = 5
 
     picture = mm.render_record(record, h * px, w * px)
@@ -165,7 +165,7 @@ def test_map_greys_tokens_nothing_was_merged_into(pack, mm):
 
 def test_map_over_image_blends_and_resizes(pack, mm):
     plan, _ = known_plan(pack)
-    record = pack.nodes.plan_records.record_plan(plan, 0, (4, 6))
+    record = pack.nodes.runtime.records.record_plan(plan, 0, (4, 6))
     image = torch.full((3, 5, 3), 0.2)  # any size: resized to the map
 
     alone = mm.render_record(record, 32, 48)
@@ -183,15 +183,16 @@ def test_merge_map_node_shows_recorded_plans_of_non_square_run(pack, mm, unet, s
 
     latent = sample(patched.clone())  # samplers may clone the MODEL they get
 
-    runtime = pack.nodes.runtime.runtime_of(patched)
-    assert mm.level_names(runtime) == ["24x16 (1/1)", "12x8 (1/2)"]
-    assert [r.step for r in runtime.records["24x16 (1/1)"]] == [0, 2]  # rebuilt only at reuse steps
+    levels = pack.nodes.runtime.runtime_of(patched).report().levels
+    merged = mm.merged_levels(levels)
+    assert [(level.grid, level.downsample) for level in merged] == [((24, 16), 1), ((12, 8), 2)]
+    assert [r.step for r in levels[merged[0]].records] == [0, 2]  # rebuilt only at reuse steps
     node = mm.ToMAMergeMap()
     for level, (h, w) in enumerate([(24, 16), (12, 8)]):
         for step, recorded in [(-1, 2), (0, 0), (1, 0)]:  # step 1 reuses the plan built at step 0
             image, = node.draw(patched, latent, level, step)
             assert image.shape == (1, 8 * LATENT[0], 8 * LATENT[1], 3)
-            record = next(r for r in runtime.records[mm.level_names(runtime)[level]] if r.step == recorded)
+            record = next(r for r in levels[merged[level]].records if r.step == recorded)
             assert (record.h, record.w) == (h, w)
             assert torch.equal(image[0], mm.render_record(record, 8 * LATENT[0], 8 * LATENT[1]))
     # one stats message for the run, for the patch node, to the client that queued the prompt
@@ -213,7 +214,7 @@ def test_each_run_reports_once_and_starts_clean(pack, mm, unet, sent):
 
     assert [data["lines"][0].split(":")[0] for _, data, _ in sent] == ["16x16 (1/1)", "8x16 (1/1)"]
     runtime = pack.nodes.runtime.runtime_of(patched)
-    assert list(runtime.records) == ["8x16 (1/1)"], "records of the previous run leaked"
+    assert [level.grid for level in runtime.report().levels] == [(8, 16)], "records of the previous run leaked"
     assert mm.ToMAMergeMap().draw(patched, latent, 0, -1)[0].shape == (1, 64, 128, 3)
     runtime.end_run()  # a second end signal without a model call in between (SamplerCustom's x0 output)
     assert len(sent) == 2
@@ -234,7 +235,7 @@ def test_inputs_that_merge_nothing_say_so_once_in_the_log_and_the_stats(pack, un
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == [f"ToMA: ToMA merges nothing: {why}"]
     assert [data["lines"][0] for _, data, _ in sent] == [f"nothing merges: {why}"] * 2
-    assert pack.nodes.runtime.runtime_of(patched).records == {}
+    assert pack.nodes.runtime.runtime_of(patched).report().levels == {}
 
 
 def test_merge_map_supports_tomesd(pack, mm, unet):
@@ -244,8 +245,9 @@ def test_merge_map_supports_tomesd(pack, mm, unet):
     latent = sample(patched, steps=2)
 
     image, = mm.ToMAMergeMap().draw(patched, latent, 0, 1)
-    record = pack.nodes.runtime.runtime_of(patched).records["24x16 (1/1)"][-1]
-    assert record.step == 1 and record.cell == (2, 2)
+    (stats,) = pack.nodes.runtime.runtime_of(patched).report().levels.values()
+    record = stats.records[-1]
+    assert record.step == 1 and record.window == (2, 2)
     assert torch.equal(image[0], mm.render_record(record, 192, 128))
 
 

@@ -86,7 +86,7 @@ def test_plans_per_block_are_built_by_each_block(pack, sd15):
     counts = []
     for patched in (shared, own):
         sample(patched, steps=1, cfg=1.0)
-        counts.append(len(pack.nodes.runtime.runtime_of(patched).plans))
+        counts.append(len(pack.nodes.runtime.runtime_of(patched).report().plans))
     blocks_at_full_resolution = 3  # SD15_SMALL: 1 input, 2 output blocks hold attention at 1/1
     assert counts == [1, blocks_at_full_resolution]
 
@@ -99,9 +99,9 @@ def test_shared_destinations_select_once_per_level_and_weigh_per_block(pack, sd1
     plans = []
     for patched in (own, shared):
         sample(patched, steps=1, cfg=1.0)
-        plans.append(list(pack.nodes.runtime.runtime_of(patched).plans.values()))
+        plans.append(list(pack.nodes.runtime.runtime_of(patched).report().plans.values()))
     assert len(plans[0]) == len(plans[1]) == 3
-    assert len(pack.nodes.runtime.runtime_of(shared).group_destinations) == 1  # the one level, 1/1
+    assert len(pack.nodes.runtime.runtime_of(shared).report().shared_destinations) == 1  # the one level, 1/1
     first, *others = plans[1]
     for plan in others:
         assert torch.equal(plan.destinations, first.destinations)

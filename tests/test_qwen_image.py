@@ -60,7 +60,7 @@ def test_merged_block_call_gets_destination_positions(pack, qwen):
     patched, runtime = dit_checks.toma_patched(pack, qwen)
     out = dit_checks.dit_patches(patched)[("double_block", 1)](dict(args),
                                                               {"original_block": dit_checks.spy(seen, passes=("txt",))})
-    plans = {key[0][1]: plan for key, plan in runtime.plans.items()}
+    plans = {key.level.group: plan for key, plan in runtime.report().plans.items()}
     image_dst = plans["double"].destination_tokens()
     ref_dst = plans["double reference 1"].destination_tokens()
     n, r = image_dst.shape[1], ref_dst.shape[1]

@@ -223,7 +223,7 @@ def test_model_sampling_is_read_from_the_model_being_sampled(pack, unet):
     after = patch_sampling(toma(unet, **inputs))
     for stacked in (before, after):
         sample(stacked, steps=6)
-        sigmas = runtime_of(pack, stacked).clock.schedule  # the run's sigmas, as the sampler handed them over
+        sigmas = runtime_of(pack, stacked).report().schedule  # the run's sigmas, as the sampler handed them over
         expected = sum(progress_of_sigma(model_sampling_of(patch_sampling(unet)), s) < 0.37 for s in sigmas[:-1])
         patch_time = sum(progress_of_sigma(model_sampling_of(unet), s) < 0.37 for s in sigmas[:-1])
         assert expected != patch_time  # the test tells the two schedules apart

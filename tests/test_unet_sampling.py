@@ -51,7 +51,7 @@ def merged_levels(pack, patched) -> dict[int, dict]:
 def plan_layouts(pack, patched) -> set[tuple[int, tuple]]:
     """{(rows, cond_or_uncond)} of the batches the last run's plans were built for (the UNet adapter's
     plan keys end with the batch layout: plans are never shared between cond and uncond rows)."""
-    return {key[-1] for key in pack.nodes.runtime.runtime_of(patched).plans}
+    return {key.rows for key in pack.nodes.runtime.runtime_of(patched).report().plans}
 
 
 def grid(h, w, ds):
@@ -323,21 +323,21 @@ def test_no_runtime_outlives_its_models(pack, sd15, scope):
     unloaded."""
     import comfy.model_management
 
-    registry = pack.nodes.runtime.RUNTIMES
     patched = patch(pack, "ToMAPatchModelAdvanced", sd15.model, **TOMA, scope=scope)
     stacked = patch(pack, "ToMeSDPatchModel", patched, ratio=0.5)
-    ids = stacked.model_options["transformer_options"][pack.nodes.runtime.STACK_KEY]
+    runtimes = [weakref.ref(r) for r in pack.nodes.runtime.runtimes_of(stacked)]
+    assert len(runtimes) == 2
     sample(stacked, "sd15")
     model_alive = weakref.ref(stacked)
 
     del patched, stacked
     gc.collect()
-    assert all((i in registry) == (model_alive() is not None) for i in ids)
+    assert all((r() is not None) == (model_alive() is not None) for r in runtimes)
 
     comfy.model_management.unload_all_models()
     gc.collect()
     assert model_alive() is None
-    assert dict(registry) == {}
+    assert all(r() is None for r in runtimes)
 
 
 # -- fidelity -----------------------------------------------------------------------------------------------
@@ -413,7 +413,7 @@ def test_merge_every_second_step_runs_the_unpatched_model_on_odd_steps(pack, sd1
     patched = patch(pack, "ToMAPatchModelAdvanced", sd15.model, **advanced(merge_every=2)).clone()
     patched.set_model_unet_function_wrapper(record)
     sample(patched, "sd15", steps=4)
-    steps = {s for stats in pack.nodes.runtime.runtime_of(patched).levels.values() for s in stats.steps}
+    steps = {s for stats in pack.nodes.runtime.runtime_of(patched).report().levels.values() for s in stats.steps}
     assert steps == {0, 2}
 
     inputs, replayed = iter([x for x, _ in calls]), []

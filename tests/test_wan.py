@@ -176,7 +176,7 @@ def test_merged_block_call_gets_destination_rows(pack, built, temporal_window):
     _, runtime = toma_patched(pack, model, temporal_window=temporal_window)
     seen = {}
     out = wan.WanPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
-    (plan,) = runtime.plans.values()
+    (plan,) = runtime.report().plans.values()
     destinations = plan.destination_tokens()  # (B, N') raster index in the 3 x 4 x 5 grid
     n, p = destinations.shape[1], layout.lead
     assert n < layout.tokens and seen["img"].shape[1] == p + n + layout.extra
@@ -212,8 +212,9 @@ def test_four_step_schedule_builds_plans_where_it_should(pack, built, reuse, new
     patched, runtime = toma_patched(pack, model, reuse=reuse)
     for _ in range(2):
         sample(patched, steps=4)
-        records = runtime.records["video 5x6x8"]
-        assert [r.step for r in records] == [0, 1, 2, 3] and runtime.clock.total == 4
+        report = runtime.report()
+        (records,) = [stats.records for level, stats in report.levels.items() if level.label == "video 5x6x8"]
+        assert [r.step for r in records] == [0, 1, 2, 3] and report.steps == 4
         fresh = [r.step for i, r in enumerate(records)
                  if i == 0 or r.plan.destinations is not records[i - 1].plan.destinations]
         assert fresh == new_destinations
@@ -233,7 +234,7 @@ def test_with_easycache(pack, built, caplog):
     assert torch.isfinite(out).all() and skipped
     ran = 4 - int(skipped[-1].split("skipped ")[1].split("/")[0])
     assert 1 <= ran < 4  # EasyCache did skip something, and the model ran
-    records = runtime.records["video 5x6x8"]
+    (records,) = [stats.records for level, stats in runtime.report().levels.items() if level.label == "video 5x6x8"]
     assert len(records) == ran == runtime.summary()["levels"]["video 5x6x8"]["steps"]
     assert records[0].step == 0 and all(r.plan.destinations is records[0].plan.destinations for r in records)
 

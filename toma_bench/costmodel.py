@@ -307,14 +307,14 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
                 rec.meta_scalar = variant.meta_scalar
                 holder["rec"] = rec
                 for runtime in runtimes:
-                    runtime.stage_clock.listeners[:] = [rec.stage_listener]
+                    runtime.stages.listeners[:] = [rec.stage_listener]
                 comfy.sample.sample_custom(model, latent, spec.cfg, sampler, sigmas, positive, negative, latent,
                                            disable_pbar=True, seed=SEED)
             holder.clear()
     finally:
         logger.removeHandler(failed)
         for runtime in runtimes:
-            runtime.stage_clock.listeners.clear()
+            runtime.stages.listeners.clear()
     merged = []
     for runtime in runtimes:
         for level, v in runtime.summary()["levels"].items():

@@ -260,7 +260,7 @@ def sample_once(model, args) -> Run:
 def removed_fraction(pack, model) -> float | None:
     """Image tokens removed at the merged levels by the last plan of the run, averaged over levels."""
     try:
-        levels = pack.nodes.runtime.runtime_of(model).levels
+        levels = pack.nodes.runtime.runtime_of(model).report().levels
     except ValueError:
         return None
     return statistics.mean(1 - s.merged_tokens / s.tokens for s in levels.values()) if levels else 0.0

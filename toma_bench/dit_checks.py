@@ -106,15 +106,16 @@ def check_no_state_leak(pack, patched, runtime, sample, other, grid):
     (a run on another grid), the first plan of each level is a new one with the same destinations, the
     plans are keyed by ``grid`` only and no layout stays in the model's options."""
     first = sample(patched)
-    first_plans = {name: records[0].plan.destinations for name, records in runtime.records.items()}
+    first_plans = {level: stats.records[0].plan.destinations for level, stats in runtime.report().levels.items()}
     assert first_plans
     other(patched)
     assert torch.equal(sample(patched), first)
-    assert set(runtime.records) == set(first_plans)
-    for name, destinations in first_plans.items():
-        again = runtime.records[name][0].plan.destinations
+    report = runtime.report()
+    assert set(report.levels) == set(first_plans)
+    for level, destinations in first_plans.items():
+        again = report.levels[level].records[0].plan.destinations
         assert again is not destinations and torch.equal(again, destinations)
-    assert {key[1] for key in runtime.plans} == {grid}  # plan keys: (group, grid, batch layout)
+    assert {key.level.grid for key in report.plans} == {grid}
     assert pack.nodes.adapters.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
 
 

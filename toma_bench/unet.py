@@ -201,7 +201,7 @@ def timed_call(model, call, sync) -> tuple[float, float]:
 
 
 def find_runtime(pack):
-    """model -> its MergeRuntime (through the id the pack's nodes write into transformer_options), or None."""
+    """model -> its MergeRuntime (the one the pack's nodes put into transformer_options), or None."""
     def runtime_of(model):
         try:
             return pack.nodes.runtime.runtime_of(model)
@@ -244,9 +244,8 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
     recordings, removed = [], []
     for model in patched:
         recordings.append(record_calls(model, job, holder))
-        runtime = runtime_of(model)
-        removed.append(statistics.mean(1 - v.merged_tokens / v.tokens for v in runtime.levels.values())
-                       if runtime is not None and runtime.levels else None)
+        levels = None if runtime_of(model) is None else runtime_of(model).report().levels
+        removed.append(statistics.mean(1 - v.merged_tokens / v.tokens for v in levels.values()) if levels else None)
     progress(f"  {job.arch} sampling pass: {time.perf_counter() - start:.0f} s")
     n_calls = len(recordings[0])
     if any(len(calls) != n_calls for calls in recordings):
@@ -264,7 +263,7 @@ def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, p
         for i, model in enumerate(patched):  # a runtime's seconds cover its current run: this repeat
             runtime = runtime_of(model)
             if runtime is not None:
-                shares[i][rep] = {k: v / wall[i][rep] for k, v in runtime.stage_clock.seconds().items()}
+                shares[i][rep] = {k: v / wall[i][rep] for k, v in runtime.stages.seconds().items()}
         progress(f"  {job.arch} timing repeat {rep + 1}/{repeats}: {time.perf_counter() - start:.0f} s "
                  f"(unpatched {1000 * wall[0][rep] / job.steps:.0f} ms/step), load {os.getloadavg()[0]:.1f}")
     rows = []

@@ -6,9 +6,11 @@
 - ``schedule``: merge window and pattern reuse, keyed on sampler sigmas.
 - ``baselines``: ToMeSD and CA-ToMe behind the same merge/unmerge interface.
 - ``strategies``: the three methods behind one protocol (build a plan; a schedule says when).
+- ``groups``: which kept token every token was merged into (what a merge map draws).
 """
 from .baselines import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, BipartitePlan, CheckpointSchedule, catome_checkpoints,
                         catome_plan, tomesd_plan)
+from .groups import bipartite_groups, merge_groups, toma_groups
 from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, TokenPlan, destinations_per_tile, plan_tiles
 from .schedule import EveryCall, ReuseSchedule, RunClock, StepDecision, step_from_sigmas
 from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
@@ -18,6 +20,7 @@ from .tiles import TileGrid, tile_tokens, token_grid, untile_tokens
 __all__ = [
     "CATOME_CONFIG3", "CATOME_REFERENCE_STEPS", "BipartitePlan", "CheckpointSchedule", "catome_checkpoints",
     "catome_plan", "tomesd_plan",
+    "bipartite_groups", "merge_groups", "toma_groups",
     "DEFAULT_TAU", "IdentityPlan", "MergePlan", "TokenPlan", "destinations_per_tile", "plan_tiles",
     "EveryCall", "ReuseSchedule", "RunClock", "StepDecision", "step_from_sigmas",
     "CAToMe", "ToMA", "ToMeSD",

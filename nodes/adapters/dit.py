@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import placement
-from ..runtime import MergeRuntime
+from ..runtime import Level, MergeRuntime
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -307,9 +307,11 @@ class MergedAttention:
                                 "it runs unmerged")
             return self.attend(func, q, k, v, heads, *args, **kwargs)
         try:
-            (mq, mk, mv), mask = self.runtime.timed("merge", lambda _: self.merge(q, k, v, kwargs.get("mask")), None)
+            with self.runtime.stage("merge"):
+                (mq, mk, mv), mask = self.merge(q, k, v, kwargs.get("mask"))
             out = self.attend(func, mq, mk, mv, heads, **{**kwargs, "mask": mask})
-            return self.runtime.timed("unmerge", self.unmerge, out)
+            with self.runtime.stage("unmerge"):
+                return self.unmerge(out)
         except Exception as e:  # never crash mid-sampling: this attention call runs unmerged
             self.runtime.notice("merged attention failed (%s); those calls run unmerged", f"{type(e).__name__}: {e}")
             return self.attend(func, q, k, v, heads, *args, **kwargs)
@@ -356,12 +358,11 @@ class DiTPatch:
             self.taken_from[group].append(previous)
 
     def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict):
-        level = f"{group} {'x'.join(map(str, grid))}"
+        level = Level(group, tuple(grid))
         for previous in self.taken_from.get(group, ()):
             previous.leave(level, options, lambda: f"the {self.runtime.name} node nearer the sampler",
                            "took its blocks")
-        return self.runtime.plan(("dit", group), ("dit", group), grid, tokens,
-                                 lambda: F.layer_norm(tokens, tokens.shape[-1:]), options, level)
+        return self.runtime.plan(level, None, tokens, lambda: F.layer_norm(tokens, tokens.shape[-1:]), options)
 
     def pe_axis_of(self, args: dict) -> int:
         """The token axis of this call's RoPE table (a family whose tables changed layout reads it here)."""
@@ -446,22 +447,18 @@ class DiTPatch:
         spans = [((start, end), plan)] + [(r, p) for r, p in references if p is not None]
         call = BlockCall(args, txt_len, layout, plan, tuple(p for _, p in references))
 
-        def merge(_):
+        with self.runtime.stage("merge"):
             merged = [p.merge(seq[:, b:e]) for (b, e), p in spans]
-            return merged, {"img": splice(seq, [r for r, _ in spans], merged), **self.reduced_inputs(call)}
-
-        merged, inputs = self.runtime.timed("merge", merge, None)
+            inputs = {"img": splice(seq, [r for r, _ in spans], merged), **self.reduced_inputs(call)}
         out = run({**args, **inputs})
-
-        def unmerge(y):
-            ranges, shift = [], 0  # where each merged span sits in the shorter output
+        with self.runtime.stage("unmerge"):
+            y, ranges, shift = out["img"], [], 0  # where each merged span sits in the shorter output
             for ((b, e), _), m in zip(spans, merged):
                 ranges.append((b - shift, b - shift + m.shape[1]))
                 shift += e - b - m.shape[1]
-            return splice(y, ranges, [p.unmerge_update(seq[:, b:e], m, y[:, ob:oe])
-                                      for ((b, e), p), m, (ob, oe) in zip(spans, merged, ranges)])
-
-        return {**out, "img": self.runtime.timed("unmerge", unmerge, out["img"])}
+            img = splice(y, ranges, [p.unmerge_update(seq[:, b:e], m, y[:, ob:oe])
+                                     for ((b, e), p), m, (ob, oe) in zip(spans, merged, ranges)])
+        return {**out, "img": img}
 
 
 def blocks_after(depth: int, fraction: float) -> range:

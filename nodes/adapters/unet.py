@@ -23,7 +23,7 @@ import weakref
 from .. import placement
 from ...toma_core.attention import with_key_bias, without_padding
 from ..host import block_patches_of_caller, install_run_hooks, original_attr
-from ..runtime import MergeRuntime, hold
+from ..runtime import Level, MergeRuntime, hold, unet_level
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -108,12 +108,6 @@ def replaced_attention(transformer_options) -> list[str]:
     return [name for name in ("attn1", "attn2") if any(k in (replace.get(name) or {}) for k in keys)]
 
 
-def level_name(grid: tuple[int, int, int]) -> str:
-    """How stats, the merge map and the log name a level: "32x32 (1/1)"."""
-    h, w, ds = grid
-    return f"{h}x{w} (1/{ds})"
-
-
 class UNetPatch:
     """Everything one patched UNet needs: the runtime and the levels to merge.
 
@@ -147,8 +141,7 @@ class UNetPatch:
         grid = token_grid(arrived[1], transformer_options)
         if grid is None or grid[2] not in self.levels:
             return None
-        h, w, ds = grid
-        level = level_name(grid)
+        level = unet_level(*grid)
         if tuple(x.shape[:2]) != tuple(arrived) or keys_changed:
             taker = self.runtime.leave(level, transformer_options, lambda: self.token_changer(level))
             self.runtime.notice("%s leaves level %s unmerged: %s changed its tokens or keys first (%d tokens in batch "
@@ -156,10 +149,9 @@ class UNetPatch:
                                 x.shape[1], x.shape[0], arrived[1], arrived[0])
             return None
         block = (tuple(transformer_options.get("block") or ()), transformer_options.get("block_index", 0))
-        return self.runtime.plan(("level", ds), block, (h, w), x, features, transformer_options, level,
-                                 downsample=ds)
+        return self.runtime.plan(level, block, x, features, transformer_options)
 
-    def token_changer(self, level: str) -> str:
+    def token_changer(self, level: Level) -> str:
         """Which node changed this block's tokens before its self-attention, in words: the other nodes'
         attn1 patches of this block call (HyperTile, ComfyUI's ToMe, ...), else a node of this pack nearer
         the sampler that merged the level (it merges inside the attention, before this node's merge)."""
@@ -168,7 +160,7 @@ class UNetPatch:
         if others:
             return " and ".join(dict.fromkeys(patch_node_name(fn) for fn in others))
         nearer = [fn.__self__.runtime.name for fn in attn1 if isinstance(getattr(fn, "__self__", None), UNetPatch)
-                  and fn.__self__ is not self and level in fn.__self__.runtime.levels]
+                  and fn.__self__ is not self and fn.__self__.runtime.merges(level)]
         if nearer:
             return f"the {nearer[0]} node nearer the sampler"
         return "another node's attention patch"
@@ -180,7 +172,7 @@ class UNetPatch:
             grid = token_grid(arrived[1], options)
             if grid is not None and grid[2] in self.levels:
                 # SAG and PAG replace it; a nearer token merge node with proportional attention runs it itself
-                level = level_name(grid)
+                level = unet_level(*grid)
                 taker = self.runtime.leave(level, options, lambda: self.token_changer(level))
                 self.runtime.notice("%s leaves level %s unmerged in the blocks whose self-attention %s "
                                     "replaced (SAG, PAG, or a nearer token merge node)", self.runtime.name, level,
@@ -206,10 +198,12 @@ class UNetPatch:
                     else patch.plan_for(x, lambda: x, *call[:2], keys_changed=changed))
             if plan is None:
                 return original(x, context=context, value=value, mask=mask, **kwargs)
-            merged = patch.runtime.timed("merge", plan.merge, x)
+            with patch.runtime.stage("merge"):
+                merged = plan.merge(x)
             if not self_attention:
                 out = original(merged, context=context, value=value, **kwargs)
-                return patch.runtime.timed("unmerge", plan.unmerge, out)
+                with patch.runtime.stage("unmerge"):
+                    return plan.unmerge(out)
             queries, keys = {placement.ATTENTION: (merged, merged), placement.KEYS_VALUES: (x, merged),
                              placement.QUERIES: (merged, x)}[patch.scope]
             if patch.proportional:
@@ -218,7 +212,8 @@ class UNetPatch:
                 out = original(queries, context=keys, value=keys, **kwargs)
             if queries is x:
                 return out
-            return patch.runtime.timed("unmerge", plan.unmerge, out)
+            with patch.runtime.stage("unmerge"):
+                return plan.unmerge(out)
 
         return forward
 
@@ -233,10 +228,12 @@ class UNetPatch:
             plan = patch.plan_for(x, lambda: block.norm1(x), transformer_options, tuple(x.shape[:2]))
             if plan is None:
                 return original(x, context=context, transformer_options=transformer_options)
-            xm = patch.runtime.timed("merge", plan.merge, x)
+            with patch.runtime.stage("merge"):
+                xm = plan.merge(x)
             # the block gets its own copy: the March-2024 block adds its attention outputs in place
             ym = original(xm.clone(), context=context, transformer_options=transformer_options)
-            return patch.runtime.timed("unmerge", lambda y: plan.unmerge_update(x, xm, y), ym)
+            with patch.runtime.stage("unmerge"):
+                return plan.unmerge_update(x, xm, ym)
 
         return forward
 

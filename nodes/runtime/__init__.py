@@ -1,0 +1,16 @@
+"""The runtime layer: per patched MODEL, what happens while it samples.
+
+- ``merge_runtime``: ``MergeRuntime``, the run, the plan cache and the stats of one token merge node.
+- ``levels``: ``Level`` (what plans and stats are keyed by), the plan key, ``RunReport`` (what a run
+  merged, to read).
+- ``steps``: sigma -> step and progress of a model call in its run.
+- ``stages``: time per merging stage (select, merge, unmerge).
+- ``records``: the plans a run used, as the merge map draws them.
+- ``registry``: MODEL -> its runtimes.
+"""
+from .levels import UNET, Level, PlanKey, RunReport, unet_level
+from .merge_runtime import MergeRuntime
+from .registry import OPTIONS_KEY, STACK_KEY, attach_runtime, hold, runtime_of, runtimes_of
+
+__all__ = ["UNET", "Level", "PlanKey", "RunReport", "unet_level", "MergeRuntime", "OPTIONS_KEY", "STACK_KEY",
+           "attach_runtime", "hold", "runtime_of", "runtimes_of"]

@@ -1,0 +1,129 @@
+"""What a runtime keys its plans and stats by, and what it reports of a run.
+
+A ``Level`` is where plans apply: one block group's token grid (a UNet level, a DiT block group). Stats,
+records and the other node that took a level are keyed by it; its ``label`` is how the stats, the merge
+map and the log name it, and nothing parses a label back: tests and benchmarks read the fields, through
+``MergeRuntime.report()`` (a ``RunReport``) or the fields each level of ``summary()`` carries.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+UNET = "unet"  # the group of every UNet level (a UNet level is told apart by its downsampling)
+
+
+@dataclass(frozen=True)
+class Level:
+    """group: the block group ("unet"; a DiT's group, e.g. "dual-stream", "joint", "video"). grid: the
+    token grid, (h, w) or (frames, h, w). downsample: a UNet level's downsampling (1, 2, 4, 8)."""
+
+    group: str
+    grid: tuple[int, ...]
+    downsample: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def size(self) -> str:
+        """The grid in words: "32x32", "5x6x8"."""
+        return "x".join(map(str, self.grid))
+
+    @property
+    def label(self) -> str:
+        """"32x32 (1/1)" for a UNet level, "<group> <size>" for a block group."""
+        return f"{self.size} (1/{self.downsample})" if self.downsample is not None else f"{self.group} {self.size}"
+
+    def __str__(self) -> str:
+        return self.label
+
+    def fields(self) -> dict:
+        """The level as JSON fields (the stats message's summary)."""
+        return {"group": self.group, "grid": list(self.grid),
+                **({} if self.downsample is None else {"downsample": self.downsample})}
+
+
+def unet_level(h: int, w: int, downsample: int) -> Level:
+    return Level(UNET, (h, w), downsample)
+
+
+class PlanKey(NamedTuple):
+    """One cached plan: its level, the block it belongs to (None where the strategy shares one plan per
+    level), and the batch layout of the calls it serves (``batch_key``)."""
+
+    level: Level
+    block: object
+    rows: tuple
+
+
+def batch_key(x, transformer_options) -> tuple:
+    """The batch layout of a block call, part of every plan key: plans are never shared between calls
+    with other rows (cond and uncond batched together, or split when memory is short)."""
+    return (x.shape[0], tuple(transformer_options.get("cond_or_uncond") or ()))
+
+
+@dataclass
+class LevelStats:
+    """What a run merged at one level: its tokens before and after, the steps it merged at, and the
+    records of the plans it built (in step order, for the merge map)."""
+
+    tokens: int = 0
+    merged_tokens: int = 0
+    steps: set = field(default_factory=set)
+    records: list = field(default_factory=list)
+
+
+class LeftTo(NamedTuple):
+    """The other node that took a level, and what it did, in words."""
+
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What a runtime knows of its current (or last) run.
+
+    method: the strategy's name. steps: the run's step count where the host gave its schedule (None
+    otherwise); schedule: its sigmas. levels: the merged levels' stats. plans: the cached plans by key.
+    shared_destinations: (level, rows) -> the destinations the level's blocks share this step.
+    left_to: levels another node took. nothing_merges: why nothing merges, in words. failed: the plans
+    that could not be built (their blocks run unmerged). seconds: time per stage (``clock`` says which
+    clock); wall_seconds: the run's wall time so far (None outside a run)."""
+
+    method: str
+    steps: int | None
+    schedule: tuple | None
+    levels: dict
+    plans: dict
+    shared_destinations: dict
+    left_to: dict
+    nothing_merges: tuple
+    failed: frozenset
+    seconds: dict
+    clock: str
+    wall_seconds: float | None
+
+    def summary(self) -> dict:
+        """The report as JSON (stats message, run listeners): levels by label, each with its fields."""
+        return {
+            "method": self.method,
+            "levels": {level.label: {"tokens": s.tokens, "merged_tokens": s.merged_tokens, "steps": len(s.steps),
+                                     **level.fields()}
+                       for level, s in sorted(self.levels.items(), key=lambda item: item[0].label)},
+            "nothing_merges": list(self.nothing_merges),
+            "left_to": {level.label: left._asdict()
+                        for level, left in sorted(self.left_to.items(), key=lambda item: item[0].label)},
+            "seconds": self.seconds,
+            "clock": self.clock,
+            "wall_seconds": self.wall_seconds,
+        }
+
+
+def grid_in_words(grid) -> str:
+    """(h, w) or (frames, h, w) -> "a 1x1 token grid (1 token)", "a 3-frame 4x4 token grid (48 tokens)"."""
+    *frames, h, w = grid
+    tokens = math.prod(grid)
+    depth = f"{frames[0]}-frame " if frames else ""
+    return f"a {depth}{h}x{w} token grid ({tokens} token{'s' if tokens != 1 else ''})"

@@ -1,0 +1,220 @@
+"""Per-patched-model state while sampling: the run, the plan cache, the stats.
+
+The runtime is the only owner of run boundaries and of the plan cache; the strategy
+(``toma_core.strategies``) builds plans, and its schedule says when. ``plan()`` is the one place that
+composes them: locate the call (``StepLocator``) -> decide (the schedule) -> cache -> build -> record.
+
+One ``MergeRuntime`` lives in the options of one patched MODEL (see ``registry``). It never holds on to
+anything across sampling runs: the run-start hook the adapter installs (``install_run_hooks``) calls
+``begin_run``, which clears every cache and takes the run's sigma schedule and noise schedule
+(``model_sampling``) from the model being sampled. A model call outside any hooked run (a host without
+run hooks) starts a run of its own.
+"""
+import logging
+import time
+
+import torch
+
+from .levels import Level, LeftTo, LevelStats, PlanKey, RunReport, batch_key, grid_in_words
+from .records import record_plan
+from .stages import StageClock
+from .steps import StepLocator, Where
+
+log = logging.getLogger("ComfyUI-ToMA")
+
+
+class MergeRuntime:
+    """Step location, plan cache and stats for one patched model."""
+
+    def __init__(self, strategy, model_sampling):
+        self.strategy = strategy
+        self.name = strategy.name
+        self.steps = StepLocator(model_sampling)
+        self.stages = StageClock(("select", "merge", "unmerge"))
+        self.run_listeners = []  # called with summary() when a run ends (the live stats)
+        self.notices: set = set()  # messages already logged (once per patched model)
+        self._plans: dict[PlanKey, object] = {}
+        self._shared: dict = {}  # (level, rows) -> (step, destinations) where a level's blocks share them
+        self._generators: dict = {}  # device -> the run's generator, advanced by every plan built
+        self._failed: set[PlanKey] = set()
+        self._levels: dict[Level, LevelStats] = {}
+        self._idle: set[str] = set()  # why this run merges nothing (strategy.merges_nothing)
+        self._left_to: dict[Level, LeftTo] = {}  # levels another node took (leave)
+        self._run_started = None
+        self._in_run = False  # begin_run seen, end_run not yet
+        self._unreported = False  # the model ran since the last end_run
+
+    def __deepcopy__(self, memo):
+        # ComfyUI deep-copies model_options (and the bound patch methods in it) on every clone
+        # (docs/architecture.md, "patches are deep-copied"); all clones of a patched model must share one
+        # runtime, or resets and stats reach a stale copy.
+        return self
+
+    def notice(self, message: str, *args) -> None:
+        """Log ``message`` once per patched model (a block call repeats it every step otherwise)."""
+        if message in self.notices:
+            return
+        self.notices.add(message)
+        log.warning("ToMA: " + message, *args)
+
+    # -- run boundaries -------------------------------------------------------------------------
+    def begin_run(self, schedule=None, model_sampling=None):
+        """A clean slate for a sampling run (``StepLocator.begin`` says what the arguments are)."""
+        for cache in (self._plans, self._shared, self._generators, self._failed, self._levels, self._idle,
+                      self._left_to):
+            cache.clear()
+        self.stages.reset()
+        self.strategy.schedule.reset()
+        self.steps.begin(schedule, model_sampling)
+        self._in_run = True
+        self._run_started = time.perf_counter()
+
+    def end_run(self):
+        """Report the run to the listeners, once (some samplers signal the end twice)."""
+        self._in_run = False
+        if not self._unreported:
+            return
+        self._unreported = False
+        summary = self.summary()
+        self._run_started = None
+        for listener in self.run_listeners:
+            try:
+                listener(summary)
+            except Exception:  # a stats listener must never break sampling
+                log.exception("ToMA: stats listener failed")
+
+    def outer_sample_wrapper(self, executor, *args, **kwargs):
+        """Current ComfyUI's OUTER_SAMPLE wrapper, around ``CFGGuider.outer_sample(noise, latent_image,
+        sampler, sigmas, ...)``: a clean slate for every sampling run, with the run's sigmas and the
+        sampled model's noise schedule; stats at its end."""
+        sigmas = kwargs.get("sigmas", args[3] if len(args) > 3 else None)
+        patcher = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
+        model_sampling = patcher.get_model_object("model_sampling") if patcher is not None else None
+        self.begin_run(None if sigmas is None else [float(s) for s in sigmas.tolist()], model_sampling)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            self.end_run()
+
+    def locate(self, transformer_options) -> Where | None:
+        """Where the current model call is in its run, from the sampler's sigmas (a call outside any
+        announced run begins one)."""
+        sigmas = transformer_options.get("sigmas")
+        if sigmas is None:
+            return None
+        if not self.steps.located(sigmas):
+            self._unreported = True
+            if not self._in_run:
+                schedule = transformer_options.get("sample_sigmas")
+                self.begin_run(None if schedule is None else schedule.tolist())
+        return self.steps.locate(sigmas)
+
+    # -- plans --------------------------------------------------------------------------------
+    def plan(self, level: Level, block, x, features, transformer_options):
+        """The plan for this block call, or None to run it unmerged.
+
+        level: where the call's tokens are (its group's token grid); its blocks share one plan per step
+        where the strategy shares plans. block: this block, for strategies that plan per block. x: the
+        block's tokens (B, N, C), whose batch layout is part of the plan key. features: zero-argument
+        callable returning the (B, N, C) features that decide similarity (called only when a plan is
+        built)."""
+        rows = batch_key(x, transformer_options)
+        key = PlanKey(level, None if self.strategy.shares_plans else block, rows)
+        if key in self._failed:
+            return None
+        where = self.locate(transformer_options)
+        if where is None:
+            return None
+        idle = self.strategy.merges_nothing(level.grid)
+        if idle is not None:
+            self.notice("%s merges nothing: %s", self.name, idle)
+            self._idle.add(idle)
+            return None
+        decision = self.strategy.schedule.decide(where.step, where.progress, key, where.total)
+        if not decision.merge:
+            return None
+        plan = cached = self._plans.get(key)
+        if cached is None or decision.new_destinations or decision.new_weights:
+            self.stages.use(transformer_options["sigmas"].device)
+            try:
+                with self.stage("select"):
+                    given = None if cached is None or decision.new_destinations else getattr(cached, "destinations", None)
+                    plan = self.build(level, rows, where.step, features, given)
+            except Exception:  # never crash mid-sampling: run this block unmerged from now on
+                self._failed.add(key)
+                self.notice("%s leaves %s unmerged: it could not build a merge plan for %s (the error is in "
+                            "the debug log)", self.name, level, grid_in_words(level.grid))
+                log.debug("ToMA: %s could not build a plan for %s", self.name, level, exc_info=True)
+                return None
+            self._plans[key] = plan
+            self.record(level, where.step, plan)
+        stats = self._levels.setdefault(level, LevelStats())
+        stats.tokens, stats.merged_tokens = level.tokens, plan.num_merged
+        stats.steps.add(where.step)
+        return plan
+
+    def build(self, level: Level, rows: tuple, step: int, features, given):
+        """A new plan for ``level`` with the ``given`` destinations (None: choose them); where the
+        strategy shares destinations within a level, the first block of a step chooses them for all."""
+        shared = (level, rows) if getattr(self.strategy, "shares_destinations", False) else None
+        if given is None and shared is not None and self._shared.get(shared, (None,))[0] == step:
+            given = self._shared[shared][1]  # another block of the level chose them this step
+        feats = features()
+        plan = self.strategy.build(feats, level.grid, self.generator(feats.device), given)
+        if shared is not None and given is None and hasattr(plan, "destinations"):
+            self._shared[shared] = (step, plan.destinations)
+        return plan
+
+    def leave(self, level: Level, transformer_options, taker, why: str = "changed its tokens first") -> str:
+        """Note that another node took ``level`` in this model call, for the run's stats; ``taker()``
+        names that node, asked once per level and run; ``why``: what that node did, in words ("changed
+        its tokens first": a UNet level; "took its blocks": DiT blocks of a token merge node nearer the
+        sampler). The name."""
+        self.locate(transformer_options)  # the run reports even if no level of it merged
+        if level not in self._left_to:
+            self._left_to[level] = LeftTo(taker(), why)
+        return self._left_to[level].node
+
+    def merges(self, level: Level) -> bool:
+        """Whether this run merged ``level`` so far."""
+        return level in self._levels
+
+    def generator(self, device) -> torch.Generator:
+        """The run's generator on ``device``, seeded with the strategy's seed at the run's first build."""
+        if device not in self._generators:
+            # the meta device has no generator: plans built there (the cost model, toma_bench.costmodel,
+            # records real-size models on it) draw their random numbers on the CPU
+            where = "cpu" if device.type == "meta" else device
+            self._generators[device] = torch.Generator(device=where).manual_seed(self.strategy.seed)
+        return self._generators[device]
+
+    def record(self, level: Level, step: int, plan) -> None:
+        """Keep what the merge map needs of a newly built plan: one record per level and step."""
+        records = self._levels.setdefault(level, LevelStats()).records
+        if records and records[-1].step == step:
+            return
+        try:
+            records.append(record_plan(plan, step, level.grid, self.strategy))
+        except Exception:  # the map is a diagnostic: never let it break sampling
+            log.exception("ToMA: could not record the plan of %s for the merge map", level)
+
+    def stage(self, kind: str):
+        """Time the block as the merging stage ``kind`` ("select", "merge", "unmerge")."""
+        return self.stages.timing(kind)
+
+    # -- reading ------------------------------------------------------------------------------
+    def report(self) -> RunReport:
+        """What this runtime knows of its current (or last) run (a snapshot; reading the stage times
+        waits for the device)."""
+        wall = None if self._run_started is None else time.perf_counter() - self._run_started
+        return RunReport(
+            method=self.name, steps=self.steps.total, schedule=self.steps.schedule,
+            levels={level: LevelStats(s.tokens, s.merged_tokens, set(s.steps), list(s.records))
+                    for level, s in self._levels.items()},
+            plans=dict(self._plans), shared_destinations={k: v[1] for k, v in self._shared.items()},
+            left_to=dict(self._left_to), nothing_merges=tuple(sorted(self._idle)), failed=frozenset(self._failed),
+            seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall)
+
+    def summary(self) -> dict:
+        """The report as JSON (``RunReport.summary``), what the run listeners get."""
+        return self.report().summary()
