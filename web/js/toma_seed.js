@@ -3,8 +3,7 @@
 // would then change after every run. New nodes start at "fixed"; a loaded workflow keeps its own value
 // (configure() restores the saved widget values after this hook).
 import { app } from "../../../scripts/app.js";
-
-const SEEDED_NODES = new Set(["ToMeSDPatchModel", "CAToMePatchModel"]);
+import { SEEDED_NODES } from "./toma_nodes.js";
 
 app.registerExtension({
   name: "comfyuitomatokenmerging.fixed_seed",

@@ -13,10 +13,10 @@
 // This file is served at /extensions/<pack>/js/; the "../../../scripts/*.js" imports resolve in the
 // old bundled front end and, through its shims, in the current comfyui-frontend-package.
 import { app } from "../../../scripts/app.js";
+import { MERGE_NODES } from "./toma_nodes.js";
 import { api } from "../../../scripts/api.js";
 
 const EVENT = "comfyui_toma.stats";
-const NODE_TYPES = new Set(["ToMAPatchModel", "ToMAPatchModelAdvanced", "ToMeSDPatchModel", "CAToMePatchModel"]);
 const PROGRESS_TEXT_WIDGET = "$$node-text-preview"; // where current front ends show a node's progress text
 const PROGRESS_TEXT_LINE_HEIGHT = 16; // their text-xs lines
 const PROGRESS_TEXT_MIN_HEIGHT = 58; // the height they reserve for it, padding included
@@ -135,7 +135,7 @@ app.registerExtension({
   name: "comfyuitomatokenmerging.stats",
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!NODE_TYPES.has(nodeData.name)) return;
+    if (!MERGE_NODES.has(nodeData.name)) return;
     const onDrawForeground = nodeType.prototype.onDrawForeground;
     nodeType.prototype.onDrawForeground = function (ctx) {
       const result = onDrawForeground?.apply(this, arguments);
@@ -149,7 +149,7 @@ app.registerExtension({
   setup() {
     api.addEventListener(EVENT, ({ detail }) => {
       const node = findNode(detail?.node);
-      if (!node || !NODE_TYPES.has(node.type ?? node.comfyClass)) return;
+      if (!node || !MERGE_NODES.has(node.type ?? node.comfyClass)) return;
       const lines = detail.lines ?? String(detail.text ?? "").split("\n");
       showStats(node, lines, lines.join("  \n")); // as nodes/live_stats.progress_text
     });

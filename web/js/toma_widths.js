@@ -3,8 +3,8 @@
 // new node, and a canvas text widget then drops (current front ends) or overprints (the March-2024 one)
 // its label. Nodes 2.0 lays labels out on their own; there the width is left alone.
 import { app } from "../../../scripts/app.js";
+import { MERGE_NODES } from "./toma_nodes.js";
 
-const NODE_TYPES = new Set(["ToMAPatchModel", "ToMAPatchModelAdvanced", "ToMeSDPatchModel", "CAToMePatchModel"]);
 const WIDGET_FONT = "12px sans-serif"; // about the canvas widget font of both front ends
 const WIDGET_CHROME = 100; // node and widget margins, arrows and the gap between label and value
 
@@ -25,7 +25,7 @@ app.registerExtension({
   name: "comfyuitomatokenmerging.widths",
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!NODE_TYPES.has(nodeData.name)) return;
+    if (!MERGE_NODES.has(nodeData.name)) return;
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = onNodeCreated?.apply(this, arguments);
