@@ -512,8 +512,8 @@ def build_hunyuan_video15(seed: int = 0, dtype: torch.dtype = torch.float32, con
     return _patcher(_random_dit(family(dict(config or default)), seed, dtype, device))
 
 
-# HiDream-I1 (17B), tiny, for the test that it comes back unpatched: one double-stream and two single-stream
-# blocks, each given its own Llama layer.
+# HiDream-I1 (17B), tiny, for tests: one double-stream and two single-stream blocks (all of them merge), each
+# given its own Llama layer.
 HIDREAM_TINY = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1,
                 "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
                 "caption_channels": [32, 32], "text_emb_dim": 32, "num_routed_experts": 4,
@@ -526,3 +526,18 @@ def build_hidream(seed: int = 0, dtype: torch.dtype = torch.float32, config: dic
     import comfy.supported_models
 
     return _patcher(_random_dit(comfy.supported_models.HiDream(dict(config or HIDREAM_TINY)), seed, dtype, device))
+
+
+def hidream_conditioning(config: dict, batch: int = 1, tokens: int = 77, seed: int = 0):
+    """(positive, negative) CONDITIONING for a model built by build_hidream from ``config``: T5 tokens
+    (batch, tokens, caption_channels[0]), the pooled vector and one (batch, tokens, caption_channels[1])
+    Llama-3.1 layer per ``llama_layers`` entry, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    t5, llama = config["caption_channels"]
+
+    def cond():
+        return [torch.randn(batch, tokens, t5, generator=g),
+                {"pooled_output": torch.randn(batch, config["text_emb_dim"], generator=g),
+                 "conditioning_llama3": torch.randn(batch, len(config["llama_layers"]), tokens, llama, generator=g)}]
+
+    return [cond()], [cond()]

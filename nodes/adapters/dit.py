@@ -464,6 +464,24 @@ class DiTPatch:
         return {**out, "img": self.runtime.timed("unmerge", unmerge, out["img"])}
 
 
+OPTIONS_PARAMETER = "transformer_options"
+
+
+def forward_mismatch(forward, leading: tuple[str, ...]) -> str | None:
+    """None where a block ``forward`` (unbound) takes ``leading`` first, ``transformer_options`` by name
+    and nothing else it must be given (what an object-patched forward passes on), else why not, in words."""
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    rest = parameters[len(leading):]
+    if (tuple(p.name for p in parameters[:len(leading)]) == leading
+            and any(p.name == OPTIONS_PARAMETER for p in rest)
+            and all(p.kind is inspect.Parameter.VAR_KEYWORD
+                    or (p.default is not inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_POSITIONAL)
+                    for p in rest)):
+        return None
+    return (f"its blocks take ({', '.join(p.name for p in parameters)}), not ({', '.join(leading)}, then "
+            f"{OPTIONS_PARAMETER} and optional ones) as ToMA passes them on")
+
+
 def blocks_after(depth: int, fraction: float) -> range:
     """Indices of the blocks of a group of ``depth`` blocks that merge when the first ``fraction`` of them
     never do (rounded half up)."""

@@ -7,7 +7,7 @@ depths skip the same fraction of each group (SKIP_FRACTION). A group of whole tr
 one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
 """
 from .. import placement
-from . import hunyuan_video, ltxv, lumina, qwen_image, wan
+from . import hidream, hunyuan_video, ltxv, lumina, qwen_image, wan
 from .dit import SKIP_FRACTION
 from .family import OBJECT_PATCH, BlockGroup, DiTFamily
 
@@ -67,4 +67,11 @@ LUMINA = DiTFamily("Lumina 2 / Z-Image", ("Z-Image", "Lumina 2"), False, "comfy.
                    lumina.NextDiTLayoutStash, intercept=OBJECT_PATCH,
                    never_merged="text, Z-Image's padding tokens", unserved=lumina.unserved)
 
-DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA)
+# HiDream-I1: no "dit" hook either; its double-stream and single-stream blocks' forwards object-patched.
+HIDREAM = DiTFamily("HiDream", ("HiDream",), False, "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
+                    (BlockGroup("double_stream_blocks", "double_stream_block", "double", DOUBLE, "double_forward"),
+                     BlockGroup("single_stream_blocks", "single_stream_block", "single", SINGLE, "single_forward")),
+                    hidream.HiDreamPatch, hidream.HiDreamLayoutStash, intercept=OBJECT_PATCH,
+                    never_merged="text and Llama layer tokens", unserved=hidream.unserved)
+
+DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)
