@@ -296,6 +296,29 @@ def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
     return _patcher(_random_dit(comfy.supported_models.LTXV(dict(config or LTXV_TINY)), seed, dtype, device))
 
 
+# LTX-2 (LTXAVModel, ComfyUI of 2026), tiny, for tests: 3 blocks (all merge), video 2 heads x 16 over 16 latent
+# channels, audio 2 heads x 8 over LTX-2's 8 x 16 audio latent; each cross-attention as wide as its stream.
+LTX2_TINY = {"image_model": "ltxav", "in_channels": 16, "audio_in_channels": 128, "cross_attention_dim": 32,
+             "audio_cross_attention_dim": 16, "attention_head_dim": 16, "audio_attention_head_dim": 8,
+             "num_attention_heads": 2, "audio_num_attention_heads": 2, "caption_channels": 24, "num_layers": 3}
+
+
+def build_ltx2(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight LTX-2 (LTX2_TINY unless ``config``): the LTXAVModel of
+    the ``comfy.ldm.lightricks.av_model`` in sys.modules, in a plain BaseModel (flow matching, as
+    LTX-Video's)."""
+    import comfy.model_base
+    import comfy.supported_models
+    from comfy.ldm.lightricks.av_model import LTXAVModel
+
+    model_config = comfy.supported_models.LTXV(dict(config or LTX2_TINY))
+    model_config.set_inference_dtype(dtype, None)
+    base = comfy.model_base.BaseModel(model_config, comfy.model_base.ModelType.FLUX, device=device, unet_model=LTXAVModel)
+    init_weights_(base, seed)
+    _unit_norm_scales_(base)
+    return _patcher(base.to(dtype))
+
+
 def video_conditioning(arch: str, config: dict, batch: int = 1, tokens: int = 77, seed: int = 0,
                        text_mask: torch.Tensor | None = None, **extra):
     """(positive, negative) CONDITIONING for a model built by build_hunyuan_video ("hunyuan_video") or

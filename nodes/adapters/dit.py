@@ -343,6 +343,8 @@ class DiTPatch:
     pe_axis = 2  # the token axis of the RoPE table ``pe`` (Flux, Chroma: (B, 1, L, ...))
     merge_references = False  # whether the reference grids of ImageLayout.references merge, each by its own plan
     image_first = False  # the joint sequence is [image, txt] (HunyuanVideo's flipped_img_txt), not [txt, image]
+    # submodules of each merged block whose forward is object-patched too (companion_forward makes it)
+    companions: tuple[str, ...] = ()
 
     def __init__(self, runtime: MergeRuntime, attention_only: bool = False):
         self.runtime = runtime

@@ -43,7 +43,14 @@ HUNYUAN_VIDEO = DiTFamily("HunyuanVideo", ("HunyuanVideo", "HunyuanVideo 1.5"), 
 LTXV = DiTFamily("LTX-Video", ("LTX-Video",), True, "comfy.ldm.lightricks.model:LTXVModel",
                  (BlockGroup("transformer_blocks", "double_block", "video", SINGLE, "block"),),
                  ltxv.LTXVPatch, ltxv.LTXVLayoutStash, patch_size="patchifier.patch_size",
-                 never_merged="text, keyframe guides, the image-to-video first frame", unserved=ltxv.unserved)
+                 never_merged="text, keyframe guides, the image-to-video first frame")
+
+# LTX-2 (audio-video; an LTXVModel subclass, so its row comes before LTX-Video's): the video merges as
+# LTX-Video's; each merged block's video-to-audio attention is object-patched to see the full video.
+LTX2 = DiTFamily("LTX-2", ("LTX-2",), True, "comfy.ldm.lightricks.av_model:LTXAVModel",
+                 (BlockGroup("transformer_blocks", "double_block", "video", SINGLE, "av_block"),),
+                 ltxv.LTX2Patch, ltxv.LTX2LayoutStash, patch_size="patchifier.patch_size",
+                 never_merged="audio, text, keyframe guides, the image-to-video first frame")
 
 WAN = DiTFamily("Wan 2.1/2.2", ("Wan",), True, "comfy.ldm.wan.model:WanModel",
                 (BlockGroup("blocks", "double_block", "video", SINGLE, "block"),), wan.WanPatch,
@@ -74,4 +81,4 @@ HIDREAM = DiTFamily("HiDream", ("HiDream",), False, "comfy.ldm.hidream.model:HiD
                     hidream.HiDreamPatch, hidream.HiDreamLayoutStash, intercept=OBJECT_PATCH,
                     never_merged="text and Llama layer tokens", unserved=hidream.unserved)
 
-DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)
+DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)
