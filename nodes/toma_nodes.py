@@ -9,8 +9,7 @@ import logging
 
 from ..toma_core import CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, ReuseSchedule, ToMA, ToMeSD
 from . import placement
-from .adapters import (adapter_for, attention_placement_families, family_names, supported_families, unet,
-                       unserved_reason)
+from .adapters import adapter_for, attention_placement_families, family_names, supported_families, unet
 from .inputs import check_inputs
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
@@ -61,10 +60,6 @@ def apply_strategy(model, strategy, levels="auto", scope: str = "auto", unique_i
     if strategy is None:
         return model.clone()
     adapter = adapter_for(model)
-    if adapter is None and unserved_reason(model) is not None:
-        log.warning("ToMA: %s is not served (%s); returning the model unpatched", type(model.model).__name__,
-                    unserved_reason(model))
-        return model
     if adapter is None:
         log.warning("ToMA: %s is not supported by %s (supported: %s); returning the model unpatched",
                     type(model.model).__name__, strategy.name, supported_families())

@@ -1,14 +1,17 @@
 """The model families the pack names for users follow the adapter registry (``nodes/adapters`` ADAPTERS,
-each adapter's ``names``): the ToMA nodes' descriptions and scope tooltip are generated from it, and the
-lists written by hand (the README's table and node table, the help pages, the registry description in
-pyproject.toml) are checked against it here. A family added to the registry without its names in every
-list fails, and so does a list that names a family the registry does not serve, or gives the attention
-placement to a family that does not honour it.
+each adapter's ``names``): the ToMA nodes' descriptions and scope tooltip are generated from it in the
+code, the help pages' model rows and pyproject.toml's description by ``python -m toma_bench.family_lists
+--write`` (checked here to be what it writes), and the lists written by hand (the README's table and node
+table, the help pages' scope rows) are checked against it here. A family added to the registry without
+its names in every list fails, and so does a list that names a family the registry does not serve, or
+gives the attention placement to a family that does not honour it.
 """
 import re
 from pathlib import Path
 
 import pytest
+
+from toma_bench import family_lists
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,3 +91,10 @@ def test_the_attention_placement_is_offered_where_a_family_honours_it(pack, wher
     offered = set(re.split(r", | and ", match.group(1)))
     assert offered == set(adapters.attention_placement_families())
     assert offered < {family.name for family in adapters.DIT_FAMILIES}
+
+
+def test_the_generated_lists_are_what_the_registry_writes(pack):
+    """The help pages' model rows and pyproject.toml's description are python -m toma_bench.family_lists
+    --write's output for this registry (run it after changing a declaration's names)."""
+    assert family_lists.stale(pack) == []
+    assert all(family_lists.SPAN.search(page.read_text()) for page in family_lists.HELP_PAGES)

@@ -220,12 +220,3 @@ def test_a_block_given_a_video_audio_pair_runs_unmerged(pack, model):
     out = lt.LTXVPatch(runtime).block(args, {"original_block": lambda a: {"img": a["img"]}})
     assert out["img"] is pair and not runtime.report().plans
 
-
-def test_ltx2_comes_back_unpatched_with_the_reason(pack, caplog):
-    """LTX-2 (LTXAVModel, an LTXVModel subclass in ComfyUI of 2026) is returned unpatched and the log says
-    why, instead of a patched model whose blocks never merge."""
-    from comfy.ldm.lightricks.model import LTXVModel
-
-    ltx2 = models.build_ltxv(seed=10)
-    ltx2.model.diffusion_model.__class__ = type("LTXAVModel", (LTXVModel,), {})
-    dit_checks.check_comes_back_unpatched(pack, ltx2, caplog, "LTX-2's blocks take a [video, audio] pair")

@@ -4,8 +4,7 @@ layers, one refiner layer each) sampled through ComfyUI's sampler.
 Lumina 2 exists in current ComfyUI (tests/setup_current.sh) and later; Z-Image from ComfyUI v0.3.75 on
 (tests/setup_newest.sh). What is theirs: captions of different lengths, layers of other signatures; the
 checks every DiT family passes are in tests/test_family_conformance.py. Latents are Flux latents, an odd
-27x39 (14x20 tokens; Z-Image pads them with 8 tokens to a multiple of 32). HiDream, in the same trees,
-comes back unpatched with the reason.
+27x39 (14x20 tokens; Z-Image pads them with 8 tokens to a multiple of 32).
 """
 import logging
 
@@ -111,8 +110,3 @@ def test_layers_with_a_newer_optional_parameter_merge_and_pass_it_on(pack, built
     assert "layers given timestep_zero_index, which ToMA does not merge, run unmerged" in caplog.text
     assert lumina.layer_parameters_fit(forward)
 
-
-def test_hidream_comes_back_unpatched_with_the_reason(pack, caplog):
-    """HiDream (in the same trees as Lumina 2) is not served: the node says why."""
-    dit_checks.check_comes_back_unpatched(pack, models.build_hidream(seed=43), caplog,
-                                          "HiDream calls its blocks directly")

@@ -296,6 +296,29 @@ def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
     return _patcher(_random_dit(comfy.supported_models.LTXV(dict(config or LTXV_TINY)), seed, dtype, device))
 
 
+# LTX-2 (LTXAVModel, ComfyUI of 2026), tiny, for tests: 3 blocks (all merge), video 2 heads x 16 over 16 latent
+# channels, audio 2 heads x 8 over LTX-2's 8 x 16 audio latent; each cross-attention as wide as its stream.
+LTX2_TINY = {"image_model": "ltxav", "in_channels": 16, "audio_in_channels": 128, "cross_attention_dim": 32,
+             "audio_cross_attention_dim": 16, "attention_head_dim": 16, "audio_attention_head_dim": 8,
+             "num_attention_heads": 2, "audio_num_attention_heads": 2, "caption_channels": 24, "num_layers": 3}
+
+
+def build_ltx2(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight LTX-2 (LTX2_TINY unless ``config``): the LTXAVModel of
+    the ``comfy.ldm.lightricks.av_model`` in sys.modules, in a plain BaseModel (flow matching, as
+    LTX-Video's)."""
+    import comfy.model_base
+    import comfy.supported_models
+    from comfy.ldm.lightricks.av_model import LTXAVModel
+
+    model_config = comfy.supported_models.LTXV(dict(config or LTX2_TINY))
+    model_config.set_inference_dtype(dtype, None)
+    base = comfy.model_base.BaseModel(model_config, comfy.model_base.ModelType.FLUX, device=device, unet_model=LTXAVModel)
+    init_weights_(base, seed)
+    _unit_norm_scales_(base)
+    return _patcher(base.to(dtype))
+
+
 def video_conditioning(arch: str, config: dict, batch: int = 1, tokens: int = 77, seed: int = 0,
                        text_mask: torch.Tensor | None = None, **extra):
     """(positive, negative) CONDITIONING for a model built by build_hunyuan_video ("hunyuan_video") or
@@ -512,8 +535,8 @@ def build_hunyuan_video15(seed: int = 0, dtype: torch.dtype = torch.float32, con
     return _patcher(_random_dit(family(dict(config or default)), seed, dtype, device))
 
 
-# HiDream-I1 (17B), tiny, for the test that it comes back unpatched: one double-stream and two single-stream
-# blocks, each given its own Llama layer.
+# HiDream-I1 (17B), tiny, for tests: one double-stream and two single-stream blocks (all of them merge), each
+# given its own Llama layer.
 HIDREAM_TINY = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1,
                 "num_single_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
                 "caption_channels": [32, 32], "text_emb_dim": 32, "num_routed_experts": 4,
@@ -526,3 +549,18 @@ def build_hidream(seed: int = 0, dtype: torch.dtype = torch.float32, config: dic
     import comfy.supported_models
 
     return _patcher(_random_dit(comfy.supported_models.HiDream(dict(config or HIDREAM_TINY)), seed, dtype, device))
+
+
+def hidream_conditioning(config: dict, batch: int = 1, tokens: int = 77, seed: int = 0):
+    """(positive, negative) CONDITIONING for a model built by build_hidream from ``config``: T5 tokens
+    (batch, tokens, caption_channels[0]), the pooled vector and one (batch, tokens, caption_channels[1])
+    Llama-3.1 layer per ``llama_layers`` entry, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    t5, llama = config["caption_channels"]
+
+    def cond():
+        return [torch.randn(batch, tokens, t5, generator=g),
+                {"pooled_output": torch.randn(batch, config["text_emb_dim"], generator=g),
+                 "conditioning_llama3": torch.randn(batch, len(config["llama_layers"]), tokens, llama, generator=g)}]
+
+    return [cond()], [cond()]

@@ -18,20 +18,6 @@ from .families import DIT_FAMILIES
 ADAPTERS = (unet, *DIT_FAMILIES)
 
 
-# Diffusion model classes that no adapter serves for a reason worth telling the user (by class name: the
-# classes need not exist in every ComfyUI).
-UNSERVED = {
-    "HiDreamImageTransformer2DModel": "HiDream calls its blocks directly, with no block-replace hook, and "
-                                      "hands every block new Llama-3.1 layer tokens next to its "
-                                      "mixture-of-experts feed-forward; this version of ToMA does not merge it",
-}
-
-
-def unserved_reason(model) -> str | None:
-    """Why ``model``'s family is not served, where UNSERVED knows it."""
-    return UNSERVED.get(type(getattr(model.model, "diffusion_model", None)).__name__)
-
-
 def adapter_for(model):
     """The adapter of ``model``'s family, or None."""
     return next((adapter for adapter in ADAPTERS if adapter.supports(model)), None)

@@ -345,6 +345,8 @@ class DiTPatch:
     pe_axis = 2  # the token axis of the RoPE table ``pe`` (Flux, Chroma: (B, 1, L, ...))
     merge_references = False  # whether the reference grids of ImageLayout.references merge, each by its own plan
     image_first = False  # the joint sequence is [image, txt] (HunyuanVideo's flipped_img_txt), not [txt, image]
+    # submodules of each merged block whose forward is object-patched too (companion_forward makes it)
+    companions: tuple[str, ...] = ()
 
     def __init__(self, runtime: MergeRuntime, attention_only: bool = False):
         self.runtime = runtime
@@ -459,6 +461,24 @@ class DiTPatch:
             img = splice(y, ranges, [p.unmerge_update(seq[:, b:e], m, y[:, ob:oe])
                                      for ((b, e), p), m, (ob, oe) in zip(spans, merged, ranges)])
         return {**out, "img": img}
+
+
+OPTIONS_PARAMETER = "transformer_options"
+
+
+def forward_mismatch(forward, leading: tuple[str, ...]) -> str | None:
+    """None where a block ``forward`` (unbound) takes ``leading`` first, ``transformer_options`` by name
+    and nothing else it must be given (what an object-patched forward passes on), else why not, in words."""
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    rest = parameters[len(leading):]
+    if (tuple(p.name for p in parameters[:len(leading)]) == leading
+            and any(p.name == OPTIONS_PARAMETER for p in rest)
+            and all(p.kind is inspect.Parameter.VAR_KEYWORD
+                    or (p.default is not inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_POSITIONAL)
+                    for p in rest)):
+        return None
+    return (f"its blocks take ({', '.join(p.name for p in parameters)}), not ({', '.join(leading)}, then "
+            f"{OPTIONS_PARAMETER} and optional ones) as ToMA passes them on")
 
 
 def blocks_after(depth: int, fraction: float) -> range:

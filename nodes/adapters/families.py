@@ -7,7 +7,7 @@ depths skip the same fraction of each group (SKIP_FRACTION). A group of whole tr
 one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
 """
 from .. import placement
-from . import hunyuan_video, ltxv, lumina, qwen_image, wan
+from . import hidream, hunyuan_video, ltxv, lumina, qwen_image, wan
 from .dit import SKIP_FRACTION
 from .family import OBJECT_PATCH, BlockGroup, DiTFamily
 
@@ -43,7 +43,14 @@ HUNYUAN_VIDEO = DiTFamily("HunyuanVideo", ("HunyuanVideo", "HunyuanVideo 1.5"), 
 LTXV = DiTFamily("LTX-Video", ("LTX-Video",), True, "comfy.ldm.lightricks.model:LTXVModel",
                  (BlockGroup("transformer_blocks", "double_block", "video", SINGLE, "block"),),
                  ltxv.LTXVPatch, ltxv.LTXVLayoutStash, patch_size="patchifier.patch_size",
-                 never_merged="text, keyframe guides, the image-to-video first frame", unserved=ltxv.unserved)
+                 never_merged="text, keyframe guides, the image-to-video first frame")
+
+# LTX-2 (audio-video; an LTXVModel subclass, so its row comes before LTX-Video's): the video merges as
+# LTX-Video's; each merged block's video-to-audio attention is object-patched to see the full video.
+LTX2 = DiTFamily("LTX-2", ("LTX-2",), True, "comfy.ldm.lightricks.av_model:LTXAVModel",
+                 (BlockGroup("transformer_blocks", "double_block", "video", SINGLE, "av_block"),),
+                 ltxv.LTX2Patch, ltxv.LTX2LayoutStash, patch_size="patchifier.patch_size",
+                 never_merged="audio, text, keyframe guides, the image-to-video first frame")
 
 WAN = DiTFamily("Wan 2.1/2.2", ("Wan",), True, "comfy.ldm.wan.model:WanModel",
                 (BlockGroup("blocks", "double_block", "video", SINGLE, "block"),), wan.WanPatch,
@@ -67,4 +74,11 @@ LUMINA = DiTFamily("Lumina 2 / Z-Image", ("Z-Image", "Lumina 2"), False, "comfy.
                    lumina.NextDiTLayoutStash, intercept=OBJECT_PATCH,
                    never_merged="text, Z-Image's padding tokens", unserved=lumina.unserved)
 
-DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA)
+# HiDream-I1: no "dit" hook either; its double-stream and single-stream blocks' forwards object-patched.
+HIDREAM = DiTFamily("HiDream", ("HiDream",), False, "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
+                    (BlockGroup("double_stream_blocks", "double_stream_block", "double", DOUBLE, "double_forward"),
+                     BlockGroup("single_stream_blocks", "single_stream_block", "single", SINGLE, "single_forward")),
+                    hidream.HiDreamPatch, hidream.HiDreamLayoutStash, intercept=OBJECT_PATCH,
+                    never_merged="text and Llama layer tokens", unserved=hidream.unserved)
+
+DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)

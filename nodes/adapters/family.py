@@ -170,8 +170,21 @@ class DiTFamily:
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
                     blocks.took(g.group, previous)
                 m.set_model_patch_replace(getattr(blocks, g.handler), "dit", g.hook, i)
+                self.patch_companions(m, dm, g, i, blocks)
                 merged.append(f"{g.hook} {i}")
         return merged, left, retaken
+
+    def patch_companions(self, m, dm, g: BlockGroup, i: int, blocks: DiTPatch) -> None:
+        """Object-patch the ``forward`` of the submodules ``blocks.companions`` names inside block ``i`` of
+        ``g`` (LTX-2's video-to-audio attention: its video keys are unmerged there); an earlier token merge
+        node's patched forward is replaced by one around the original."""
+        for name in blocks.companions:
+            key = f"diffusion_model.{g.blocks}.{i}.{name}.forward"
+            current = original_attr(m, key)
+            earlier = getattr(getattr(current, "__func__", None), "token_merge", None)
+            module = operator.attrgetter(f"{g.blocks}.{i}.{name}")(dm)
+            m.add_object_patch(key, types.MethodType(blocks.companion_forward(name, current if earlier is None
+                                                                              else earlier[0]), module))
 
     def object_patch_blocks(self, m, dm, blocks: DiTPatch):
         """Object-patch the ``forward`` of the merged blocks on ``m``; an earlier token merge node's patched

@@ -24,24 +24,37 @@ Token grid: the DIFFUSION_MODEL executor runs around ``_forward``, which sees th
 
 RoPE layouts, told apart by what ``pe`` is: (cos, sin), each (B, N, D) (ComfyUI until Oct 2025); one
 (B, 1, N, D/2, 2, 2) table as Flux's (from Nov 2025); (cos, sin, split) (2026), where a true ``split``
-marks per-head (B, heads, N, D/2) tables. Anything else runs the blocks unmerged, with a log message. LTX-2 (``LTXAVModel``, an LTXVModel subclass) hands its
-blocks a [video, audio] pair with its own per-stream tables and compressed timesteps: it comes back
-unpatched, with the reason, rather than patched with blocks that would never merge.
+marks per-head (B, heads, N, D/2) tables. Anything else runs the blocks unmerged, with a log message.
+
+LTX-2 (``LTXAVModel``, an LTXVModel subclass, ComfyUI of 2026; its declaration: LTX2 in families.py) hands
+its blocks a (video, audio) pair. The video tokens merge as LTX-Video's do (windows over frames, guides
+and a first frame with its own timestep whole); the audio tokens and the text never merge. Per stream a
+block gets its own RoPE table and timesteps; the video's (``v_pe``, the temporal ``v_cross_pe`` of the
+audio-video cross-attention, ``v_timestep`` and the two cross-attention timesteps) are cut to the merged
+rows, a merged token taking its destination's; the video timesteps may be a ``CompressedTimestep`` (one
+row per latent frame), whose merged rows are the frames of the destinations. The audio's pass as they
+are. The cross-attention between the streams:
+- audio-to-video (video queries, audio keys): the merged video queries attend to every audio token, as
+  any per-token layer runs on merged tokens;
+- video-to-audio (audio queries, video keys): the audio queries attend to the full video, not to the
+  merged tokens. Its ``forward`` is object-patched (``DiTPatch.companions``): the merged video keys' input
+  is unmerged (U, as a block's output is) and each video token keeps its own temporal RoPE row. Merged
+  keys would weigh a destination standing for k tokens as one token (proportional attention would need a
+  bias the block cannot pass) and give each token its destination's time. Unmerged, the audio stream is
+  exact wherever the merge is (every token its own destination), its keys and values cost the full
+  video's projections in that one attention, which is small beside the video's own.
 """
+from dataclasses import dataclass
+
 import torch
 
-from .dit import DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows, take_sequence
+from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, splice, take_rows,
+                  take_sequence)
 
-# Subclasses whose blocks take other inputs, and why they are not patched.
-REFUSED = {
-    "LTXAVModel": "LTX-2's blocks take a [video, audio] pair with per-stream RoPE tables, audio-video "
-                  "cross-attention and compressed timesteps, which this version of ToMA does not merge",
-}
-
-
-def unserved(dm) -> str | None:
-    """Why the LTXVModel ``dm`` is not served (REFUSED), or None."""
-    return REFUSED.get(type(dm).__name__)
+VIDEO_KEYS = "comfyui_toma_ltx2_video_keys"  # the block's own transformer_options: VideoKeys for its v2a attention
+# LTX-2's video inputs besides the tokens: RoPE tables (tokens on rope_token_axis) and timesteps (tokens on dim 1)
+V_TABLES = ("v_pe", "v_cross_pe")
+V_TIMESTEPS = ("v_timestep", "v_cross_scale_shift_timestep", "v_cross_gate_timestep")
 
 
 def per_token(timestep) -> bool:
@@ -121,3 +134,103 @@ def rope_token_axis(pe) -> int:
     return 2 if len(pe) > 2 and pe[2] is True else 1
 
 
+class LTX2LayoutStash(LTXVLayoutStash):
+    """The video grid of an LTX-2 call, whose latent is [video, audio]."""
+
+    def layout(self, call: dict) -> ImageLayout | None:
+        x = call.get("x")
+        if isinstance(x, (list, tuple)) and x:
+            return super().layout({**call, "x": x[0]})
+        return super().layout(call)
+
+
+@dataclass(frozen=True)
+class VideoKeys:
+    """What the video-to-audio attention of a merged block call needs to see the full video: the plan,
+    where the grid's merged tokens sit (``lead``), the merged video length and the full ``v_cross_pe``."""
+
+    plan: object
+    lead: int
+    length: int
+    cross_pe: object
+
+
+class LTX2Patch(LTXVPatch):
+    """The block patch for LTX-2's (video, audio) pair: the video merged, the audio whole; the
+    video-to-audio attention's forward unmerges its video keys."""
+
+    companions = ("video_to_audio_attn",)
+
+    def av_block(self, args: dict, extras: dict) -> dict:
+        run, pair = extras["original_block"], args["img"]
+        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
+        if (layout is None or not isinstance(pair, (tuple, list)) or len(pair) != 2 or not torch.is_tensor(pair[0])
+                or pair[0].shape[1] != layout.total or not self.fits(args, "video", 0, layout)):
+            return run(args)
+        vx, ax = pair
+        audio = []
+
+        def run_video(video_args):
+            out_vx, out_ax = run({**video_args, "img": (video_args["img"], ax)})["img"]
+            audio.append(out_ax)
+            return {"img": out_vx}
+
+        out = self.merged_call("video", {**args, "img": vx}, run_video, layout.lead, 0, layout)
+        return {"img": (out["img"], audio[-1])}
+
+    def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
+        """Whether the video's RoPE tables and timesteps cover its tokens."""
+        if (all(tables_fit({"pe": args.get(key)}, layout) for key in V_TABLES)
+                and all(timestep_rows(args.get(key)) in (None, 1, layout.total) for key in V_TIMESTEPS)):
+            return True
+        self.runtime.notice("LTX-2: a block's video RoPE tables or timesteps do not cover its %d video tokens as "
+                            "ToMA expects; those blocks run unmerged", layout.total)
+        return False
+
+    def reduced_inputs(self, call) -> dict:
+        """The video's RoPE and timestep rows of the destinations; VideoKeys for the v2a attention."""
+        layout, plan, args = call.layout, call.plan, call.args
+        index = sequence_index(layout.lead, layout.tokens, layout.total, plan.destination_tokens().to(args["img"].device))
+        out = {key: tuple(take_rows(t, index, rope_token_axis(args[key])) if torch.is_tensor(t) else t
+                          for t in args[key]) for key in V_TABLES if args.get(key) is not None}
+        out.update({key: merged_timestep(args[key], index, layout.total) for key in V_TIMESTEPS if args.get(key) is not None})
+        keys = VideoKeys(plan, layout.lead, layout.total - layout.tokens + plan.num_merged, args.get("v_cross_pe"))
+        out["transformer_options"] = {**args["transformer_options"], VIDEO_KEYS: keys}
+        return out
+
+    def companion_forward(self, name: str, original):
+        """The video-to-audio attention's forward around its unpatched ``original`` (bound): in a merged
+        block call, the merged video ``context`` unmerged and the full ``v_cross_pe`` as its keys' RoPE."""
+        patch = self
+
+        def forward(attn, x, context=None, mask=None, pe=None, k_pe=None, transformer_options={}):
+            keys = (transformer_options or {}).get(VIDEO_KEYS)
+            if keys is None or not torch.is_tensor(context) or context.shape[1] != keys.length:
+                return original(x, context, mask, pe, k_pe, transformer_options=transformer_options)
+            end = keys.lead + keys.plan.num_merged
+            with patch.runtime.stage("unmerge"):
+                full = splice(context, [(keys.lead, end)], [keys.plan.unmerge(context[:, keys.lead:end])])
+            return original(x, full, mask, pe, keys.cross_pe, transformer_options=transformer_options)
+
+        forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one
+        return forward
+
+
+def timestep_rows(timestep) -> int | None:
+    """Token rows of an LTX-2 timestep: a (B, L, D) tensor's L, a CompressedTimestep's frames times
+    patches per frame (duck-typed: its class lives in the model's module); None where there is none."""
+    if timestep is None:
+        return None
+    if hasattr(timestep, "patches_per_frame") and hasattr(timestep, "data"):
+        return timestep.num_frames * timestep.patches_per_frame if timestep.patches_per_frame > 1 else timestep.data.shape[1]
+    return timestep.shape[1] if torch.is_tensor(timestep) and timestep.dim() == 3 else -1
+
+
+def merged_timestep(timestep, index: torch.Tensor, total: int):
+    """The rows ``index`` of a per-token timestep (a CompressedTimestep's per-frame rows: the frames of
+    the destinations, as a (B, L', D) tensor); one shared row passes as it is."""
+    if hasattr(timestep, "patches_per_frame"):
+        if timestep.patches_per_frame > 1:
+            return take_rows(timestep.data, index // timestep.patches_per_frame, 1)
+        return timestep if timestep.data.shape[1] == 1 else take_rows(timestep.data, index, 1)
+    return take_sequence(timestep, index, 1, total)

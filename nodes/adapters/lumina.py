@@ -27,16 +27,15 @@ blocks, so the first 5/38 of them never merge: 4 of Z-Image's 30, 3 of Lumina 2'
 Token grid: the DIFFUSION_MODEL executor runs around ``_forward(x, timesteps, context, num_tokens,
 attention_mask, **kwargs)``, which sees the latent (B, 16, H, W).
 """
-import inspect
 
 import torch
 
-from .dit import LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, joint_index, patched_side, take_rows, take_sequence
+from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, joint_index, patched_side,
+                  take_rows, take_sequence)
 
 PE_TOKEN_AXIS = 1
 # What NextDiT passes its main layers first, in order, and by name: the patched forward passes them on.
 LAYER_PARAMETERS = ("x", "x_mask", "freqs_cis", "adaln_input")
-OPTIONS_PARAMETER = "transformer_options"
 
 
 class NextDiTLayoutStash(LayoutStash):
@@ -106,22 +105,10 @@ def layer_inputs_fit(mask, pe, full: int) -> bool:
 def layer_parameters_fit(forward) -> bool:
     """Whether a NextDiT layer ``forward`` (unbound) takes LAYER_PARAMETERS first and
     ``transformer_options`` by name, and nothing else it must be given."""
-    parameters = list(inspect.signature(forward).parameters.values())[1:]
-    if tuple(p.name for p in parameters[:len(LAYER_PARAMETERS)]) != LAYER_PARAMETERS:
-        return False
-    rest = parameters[len(LAYER_PARAMETERS):]
-    return (any(p.name == OPTIONS_PARAMETER for p in rest)
-            and all(p.kind is inspect.Parameter.VAR_KEYWORD
-                    or (p.default is not inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_POSITIONAL)
-                    for p in rest))
-
+    return forward_mismatch(forward, LAYER_PARAMETERS) is None
 
 
 def unserved(dm) -> str | None:
     """Why the NextDiT ``dm`` is not served, or None: its main layers must take what the patched forward
-    passes on (layer_parameters_fit)."""
-    forward = type(dm.layers[0]).forward
-    if layer_parameters_fit(forward):
-        return None
-    return (f"its layers take ({', '.join(tuple(inspect.signature(forward).parameters)[1:])}), not "
-            f"({', '.join(LAYER_PARAMETERS)}, then {OPTIONS_PARAMETER} and optional ones) as ToMA passes them on")
+    passes on (forward_mismatch)."""
+    return forward_mismatch(type(dm.layers[0]).forward, LAYER_PARAMETERS)

@@ -1,0 +1,199 @@
+"""ToMA on LTX-2 (``LTXAVModel``, audio-video): a tiny random-weight model of the real class, its blocks run
+through the node's patch; the conformance table's checks for it, and what is LTX-2's own (the audio, the
+video-to-audio attention, per-frame compressed timesteps).
+
+Where LTX-2 is: a pip-installable ComfyUI fork of February 2026 (hiddenswitch/pip-and-uv-installable-ComfyUI),
+whose tree cannot host the tests: its ``comfy`` is an installed package of another layout (no top-level
+nodes.py, folder_paths, server or execution: they live in comfy.cmd and comfy.nodes) and imports some 100
+dependencies the test venv lacks (configargparse and humanize at comfy.model_management and
+comfy.model_patcher, and jax, lightning, opentelemetry...). So this module takes the three files of
+``comfy/ldm/lightricks`` LTX-2 needs (model.py, av_model.py, symmetric_patchifier.py) from a bare git
+mirror of that tree (COMFYUI_LTX2_MIRROR, default ../.mirror/hiddenswitch+pip-and-uv-installable-ComfyUI/repo
+beside this checkout) into a temporary folder, and loads them in place of the host tree's
+``comfy.ldm.lightricks`` modules while it runs (current ComfyUI or later; nothing of them is kept in the
+repository). The host's sampler has no LTX-2 latent (a [video, audio] pair), so the model is called as the
+sampler calls it: the patched clone loaded, its wrappers in transformer_options, the step's sigma there.
+
+Latents: video 16 channels x frames x 5 x 7 (odd, non-square; patch size 1), audio 8 x 9 x 16 (9 tokens).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from toma_bench import comfy_host, dit_checks, models
+from toma_bench.metrics import relative_l2
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
+
+REPO = Path(__file__).resolve().parent.parent
+MIRROR = Path(os.environ.get("COMFYUI_LTX2_MIRROR",
+                             REPO.parent / ".mirror" / "hiddenswitch+pip-and-uv-installable-ComfyUI" / "repo"))
+MODULES = ("symmetric_patchifier", "model", "av_model")  # in import order
+H, W, AUDIO_TOKENS, TEXT = 5, 7, 9, 11
+CONFIG = models.LTX2_TINY
+EXACT = {"ratio": 0.1, "window": 2, "temporal_window": 1}  # every token of a window a destination
+SIGMA = 0.8
+
+
+@pytest.fixture(scope="module")
+def ltx2_classes(pack, tmp_path_factory):
+    """The February-2026 comfy.ldm.lightricks modules in sys.modules while this module runs."""
+    import comfy.ldm.lightricks.model  # noqa: F401  (the host's package, whose modules are swapped)
+
+    if not MIRROR.is_dir():
+        pytest.skip(f"no LTX-2 tree: set COMFYUI_LTX2_MIRROR to a bare git dir of "
+                    f"hiddenswitch/pip-and-uv-installable-ComfyUI (looked at {MIRROR})")
+    folder = tmp_path_factory.mktemp("ltx2_lightricks")
+    names = [f"comfy.ldm.lightricks.{name}" for name in MODULES]
+    saved = {name: sys.modules.get(name) for name in names}
+    try:
+        for name, short in zip(names, MODULES):
+            source = subprocess.run(["git", "--git-dir", str(MIRROR), "show", f"HEAD:comfy/ldm/lightricks/{short}.py"],
+                                    check=True, capture_output=True, text=True).stdout
+            (folder / f"{short}.py").write_text(source)
+            spec = importlib_spec(name, folder / f"{short}.py")
+            module = sys.modules[name] = importlib_module(spec)
+            spec.loader.exec_module(module)
+        yield sys.modules["comfy.ldm.lightricks.av_model"]
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def importlib_spec(name, path):
+    import importlib.util
+
+    return importlib.util.spec_from_file_location(name, path)
+
+
+def importlib_module(spec):
+    import importlib.util
+
+    return importlib.util.module_from_spec(spec)
+
+
+@pytest.fixture(scope="module")
+def model(ltx2_classes):
+    return models.build_ltx2(seed=3)
+
+
+def denoise(pack, m, frames=5, batch=1, per_token=False, seed=0):
+    """(video (B, 16, frames, H, W), audio (B, 8, 9, 16)) of one model call at SIGMA, as the sampler makes
+    it, with every runtime of ``m`` at the start of a run. ``per_token``: per-token timesteps, the first
+    latent frame at 0 (image-to-video), which LTX-2 stores per frame (CompressedTimestep); the audio's one."""
+    import comfy.model_management
+    import comfy.patcher_extension
+
+    g = torch.Generator().manual_seed(seed)
+    video = torch.randn(batch, CONFIG["in_channels"], frames, H, W, generator=g)
+    audio = torch.randn(batch, 8, AUDIO_TOKENS, 16, generator=g)
+    context = torch.randn(batch, TEXT, 2 * CONFIG["caption_channels"], generator=g)
+    timestep = torch.full((batch,), SIGMA)
+    if per_token:
+        timestep = torch.full((batch, frames, H * W), SIGMA)
+        timestep[:, 0] = 0.0
+        timestep = (timestep.flatten(1), torch.full((batch,), SIGMA))  # (video, audio), as LTX-2's model gets them
+    for runtime in runtimes(pack, m):
+        runtime.begin_run()
+    comfy.model_management.load_models_gpu([m])
+    options = dict(m.model_options.get("transformer_options", {}))
+    options["wrappers"] = comfy.patcher_extension.merge_nested_dicts({}, m.wrappers)
+    options["sigmas"] = torch.full((batch,), SIGMA)
+    with torch.no_grad():
+        return m.model.diffusion_model([video, audio], timestep, context, None, frame_rate=25,
+                                       transformer_options=options)
+
+
+def runtimes(pack, m) -> list:
+    """The runtimes of the token merge nodes on ``m``; none on an unpatched model."""
+    try:
+        return pack.nodes.runtime.runtimes_of(m)
+    except ValueError:
+        return []
+
+
+def flat(outputs):
+    return torch.cat([t.flatten(1) for t in outputs], dim=1)
+
+
+def test_the_adapter_of_ltx2_is_its_declaration(pack, model):
+    assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.families.LTX2
+
+
+def test_ratio_zero_is_identical_to_unpatched(pack, model):
+    dit_checks.check_ratio_zero_identical(pack, model, lambda m: flat(denoise(pack, m, batch=2)))
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["one-timestep", "per-token-timesteps"])
+def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, per_token):
+    """Every token of a window a destination: video and audio are the unpatched model's (the video-to-audio
+    attention sees every video token with its own time either way)."""
+    patched, runtime = dit_checks.toma_patched(pack, model, **EXACT)
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: flat(denoise(pack, m, batch=2, per_token=per_token)))
+    frames = 4 if per_token else 5  # the first frame, with its own timestep, leads unmerged
+    assert sorted(runtime.summary()["levels"]) == [f"video {frames}x{H}x{W}"]
+
+
+@pytest.mark.parametrize("frames, batch, per_token", [(1, 2, False), (5, 1, False), (9, 2, False), (5, 2, True)])
+def test_half_ratio_merges_the_video_and_keeps_the_audio_close(pack, model, frames, batch, per_token):
+    patched, runtime = dit_checks.toma_patched(pack, model)
+    video, audio = denoise(pack, patched, frames, batch, per_token)
+    ref_video, ref_audio = denoise(pack, model, frames, batch, per_token)
+    assert video.shape == ref_video.shape and audio.shape == ref_audio.shape
+    assert torch.isfinite(video).all() and torch.isfinite(audio).all()
+    assert 0.0 < relative_l2(video, ref_video) < 0.25
+    assert 0.0 < relative_l2(audio, ref_audio) < 0.1
+    grid_frames = frames - 1 if per_token else frames
+    (level,) = runtime.summary()["levels"].values()
+    tokens = grid_frames * H * W
+    assert level["tokens"] == tokens and abs(level["merged_tokens"] - tokens / 2) <= tokens / 8
+
+
+def test_the_audio_attends_to_the_full_video_and_the_video_to_merged_tokens(pack, model):
+    """In a merged block the video self-attention's keys come from the merged tokens, the video-to-audio
+    attention's from every video token (its context unmerged, each token with its own RoPE row)."""
+    patched, _ = dit_checks.toma_patched(pack, model)
+    block = model.model.diffusion_model.transformer_blocks[1]
+    seen = {}
+    def hook(name):
+        def record(module, args, out):
+            seen.setdefault(name, args[0].shape[1])
+        return record
+
+    hooks = [layer.register_forward_hook(hook(name)) for name, layer in (("video self-attention", block.attn1.to_k), ("video to audio", block.video_to_audio_attn.to_k),
+                                 ("audio to video", block.audio_to_video_attn.to_q))]
+    try:
+        denoise(pack, patched)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tokens = 5 * H * W
+    assert seen["video to audio"] == tokens
+    assert seen["video self-attention"] < tokens and seen["audio to video"] == seen["video self-attention"]
+    assert dit_checks.patch_points(patched) == (
+        {("double_block", i) for i in range(3)}
+        | {f"diffusion_model.transformer_blocks.{i}.video_to_audio_attn.forward" for i in range(3)})
+
+
+def test_the_input_model_is_untouched(pack, model):
+    before = flat(denoise(pack, model))
+    patched, _ = dit_checks.toma_patched(pack, model)
+    denoise(pack, patched)
+    assert not dit_checks.patch_points(model) and torch.equal(flat(denoise(pack, model)), before)
+
+
+def test_two_stacked_nodes_the_nearer_merges(pack, model):
+    """The nearer node's patches replace the earlier node's, the video-to-audio forwards included: the stack
+    denoises as the nearer node alone."""
+    node = pack.nodes.toma_nodes.ToMAPatchModel()
+    (inner,) = node.patch(model, 0.75, 4, 5)
+    (outer,) = node.patch(inner, 0.25, 4, 5)
+    (alone,) = node.patch(model, 0.25, 4, 5)
+    assert torch.equal(flat(denoise(pack, outer)), flat(denoise(pack, alone)))
