@@ -211,7 +211,7 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
             proportional_attention = proportional_attention or preset.proportional
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every))
         strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge,
-                                                tile_frames=int(temporal_window), shares_plans=not plan_per_block,
+                                                temporal_window=int(temporal_window), shares_plans=not plan_per_block,
                                                 shares_destinations=plan_per_block and shared_destinations,
                                                 proportional=proportional_attention)
         return (apply_strategy(model, strategy, levels, scope, unique_id),)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from toma_core import (DEFAULT_TAU, IdentityPlan, MergePlan, destinations_per_tile, plan_tiles, tile_tokens,
                        token_grid)
 
-# (token grid, tile, tile_frames). Tile 16 and the 2x8x8 windows of 10x9 frames: stochastic greedy.
+# (token grid, tile, temporal_window). Tile 16 and the 2x8x8 windows of 10x9 frames: stochastic greedy.
 # Video windows: divisible, padded on every axis, one frame per window, more frames per window than frames.
 IMAGE_CASES = [((8, 8), 4, 1), ((6, 10), 4, 1), ((12, 12), 8, 1), ((7, 9), 3, 1), ((10, 9), 16, 1)]
 VIDEO_CASES = [((4, 8, 8), 4, 2), ((5, 7, 9), 3, 2), ((3, 6, 10), 4, 1), ((2, 6, 6), 3, 4), ((3, 10, 9), 8, 2)]
@@ -63,34 +63,34 @@ def top2_gap(x: torch.Tensor, plan: MergePlan) -> torch.Tensor:
     return gap.nan_to_num(nan=float("inf"), posinf=float("inf")).amin(-1)
 
 
-def palette_tokens(hw, tile, ratio, tile_frames=1, C=32, seed=0):
+def palette_tokens(hw, tile, ratio, temporal_window=1, C=32, seed=0):
     """Tokens drawn from a few random vectors, no more per tile than the tile keeps destinations."""
     g = gen(seed)
-    P = min(4, int(destinations_per_tile(token_grid(hw, tile, tile_frames), ratio).min()))
+    P = min(4, int(destinations_per_tile(token_grid(hw, tile, temporal_window), ratio).min()))
     palette = torch.randn(P, C, generator=g) * torch.rand(P, 1, generator=g).add(0.5)
     return palette[torch.randint(P, (2, math.prod(hw)), generator=g)]
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.75])
-@pytest.mark.parametrize("hw,tile,tile_frames", CASES)
-def test_unmerge_of_merge_recovers_tokens_that_are_equal_within_each_group(hw, tile, tile_frames, ratio):
-    x = palette_tokens(hw, tile, ratio, tile_frames)
-    plan = plan_tiles(x, hw, tile, ratio, generator=gen(1), tile_frames=tile_frames)
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES)
+def test_unmerge_of_merge_recovers_tokens_that_are_equal_within_each_group(hw, tile, temporal_window, ratio):
+    x = palette_tokens(hw, tile, ratio, temporal_window)
+    plan = plan_tiles(x, hw, tile, ratio, generator=gen(1), temporal_window=temporal_window)
     merged = plan.merge(x)
     assert merged.shape == (2, plan.num_merged, x.shape[-1])
     assert torch.allclose(plan.unmerge(merged), x, atol=1e-5)
 
 
-@pytest.mark.parametrize("hw,tile,tile_frames", [((8, 8), 4, 1), ((6, 10), 4, 1), ((7, 9), 3, 1), ((16, 16), 4, 1),
+@pytest.mark.parametrize("hw,tile,temporal_window", [((8, 8), 4, 1), ((6, 10), 4, 1), ((7, 9), 3, 1), ((16, 16), 4, 1),
                                                  ((12, 12), 8, 1), ((4, 8, 8), 4, 2), ((3, 7, 9), 3, 2)])
-def test_unmerge_is_the_pseudo_inverse_where_the_softmax_is_hard(hw, tile, tile_frames):
+def test_unmerge_is_the_pseudo_inverse_where_the_softmax_is_hard(hw, tile, temporal_window):
     # U = A^T equals pinv(M) only when A is hard. On random tokens at tau = 1000 that holds tile by tile
     # where every token's best destination beats its runner-up by a cosine margin of ~0.01 or more; with
     # high-dimensional random tokens (cosines all near 0) many tiles miss that margin and the transpose is
     # only close (see test_soft_ties_split_weight). Low-dimensional tokens keep most tiles hard.
     tau = DEFAULT_TAU
     x = torch.randn(2, math.prod(hw), 8, generator=gen(hw[0] + tile))
-    plan = plan_tiles(x, hw, tile, 0.5, tau=tau, generator=gen(2), tile_frames=tile_frames)
+    plan = plan_tiles(x, hw, tile, 0.5, tau=tau, generator=gen(2), temporal_window=temporal_window)
     M, U = plan.merge_weights.double(), plan.unmerge_weights.double()
     pinv = torch.linalg.pinv(M)
     rel = torch.linalg.matrix_norm(U - pinv) / torch.linalg.matrix_norm(pinv)  # (B, T)
@@ -126,11 +126,11 @@ def test_pseudo_inverse_on_well_separated_tokens_everywhere():
     assert float(torch.linalg.vector_norm(U - pinv) / torch.linalg.vector_norm(pinv)) < 1e-3
 
 
-@pytest.mark.parametrize("hw,tile,tile_frames", [((8, 8), 4, 1), ((6, 10), 4, 1), ((3, 6, 5), 2, 2)])
-def test_exact_unmerge_at_soft_tau(hw, tile, tile_frames):
+@pytest.mark.parametrize("hw,tile,temporal_window", [((8, 8), 4, 1), ((6, 10), 4, 1), ((3, 6, 5), 2, 2)])
+def test_exact_unmerge_at_soft_tau(hw, tile, temporal_window):
     x = torch.randn(2, math.prod(hw), 16, generator=gen(4))
-    soft = plan_tiles(x, hw, tile, 0.5, tau=5.0, tile_frames=tile_frames)
-    exact = plan_tiles(x, hw, tile, 0.5, tau=5.0, exact=True, tile_frames=tile_frames)
+    soft = plan_tiles(x, hw, tile, 0.5, tau=5.0, temporal_window=temporal_window)
+    exact = plan_tiles(x, hw, tile, 0.5, tau=5.0, exact=True, temporal_window=temporal_window)
     assert torch.equal(exact.destinations, soft.destinations)
     assert torch.equal(exact.merge_weights, soft.merge_weights)
     pinv = torch.linalg.pinv(exact.merge_weights)
@@ -144,19 +144,19 @@ def test_exact_unmerge_at_soft_tau(hw, tile, tile_frames):
 
 
 def test_weights_match_the_formula_tile_by_tile():
-    for hw, tile, tile_frames, tau in [((6, 10), 4, 1, DEFAULT_TAU), ((7, 9), 3, 1, 20.0), ((8, 8), 4, 1, 5.0),
+    for hw, tile, temporal_window, tau in [((6, 10), 4, 1, DEFAULT_TAU), ((7, 9), 3, 1, 20.0), ((8, 8), 4, 1, 5.0),
                                        ((3, 6, 10), 4, 2, DEFAULT_TAU), ((5, 7, 9), 3, 3, 20.0)]:
         x = torch.randn(2, math.prod(hw), 12, generator=gen(tile))
-        plan = plan_tiles(x, hw, tile, 0.5, tau=tau, tile_frames=tile_frames)
+        plan = plan_tiles(x, hw, tile, 0.5, tau=tau, temporal_window=temporal_window)
         M, U = reference_weights(x, plan, tau)
         assert torch.allclose(plan.merge_weights.double(), M, atol=weight_atol(tau))
         assert torch.allclose(plan.unmerge_weights.double(), U, atol=weight_atol(tau))
 
 
-@pytest.mark.parametrize("hw,tile,tile_frames", CASES)
-def test_ratio_zero_is_the_identity(hw, tile, tile_frames):
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES)
+def test_ratio_zero_is_the_identity(hw, tile, temporal_window):
     x = torch.randn(2, math.prod(hw), 8, generator=gen(0))
-    plan = plan_tiles(x, hw, tile, 0.0, tile_frames=tile_frames)
+    plan = plan_tiles(x, hw, tile, 0.0, temporal_window=temporal_window)
     assert isinstance(plan, IdentityPlan)
     assert plan.num_merged == x.shape[1]
     assert torch.equal(plan.merge(x), x)
@@ -165,15 +165,15 @@ def test_ratio_zero_is_the_identity(hw, tile, tile_frames):
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.25, 0.5, 0.6, 0.75, 0.9])
-@pytest.mark.parametrize("hw,tile,tile_frames", CASES + [((5, 5), 4, 1), ((3, 17), 8, 1), ((3, 3, 5), 4, 2)])
-def test_token_counts(hw, tile, tile_frames, ratio):
-    grid = token_grid(hw, tile, tile_frames)
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES + [((5, 5), 4, 1), ((3, 17), 8, 1), ((3, 3, 5), 4, 2)])
+def test_token_counts(hw, tile, temporal_window, ratio):
+    grid = token_grid(hw, tile, temporal_window)
     keep = destinations_per_tile(grid, ratio)
     real = grid.valid.sum(-1)
     assert ((keep - real * (1 - ratio)).abs() <= 0.5 + 1e-6).logical_or(keep == 1).all()
     assert (keep >= 1).all() and (keep <= real).all()
     x = torch.randn(1, grid.num_tokens, 4, generator=gen(1))
-    plan = plan_tiles(x, hw, tile, ratio, generator=gen(0), tile_frames=tile_frames)
+    plan = plan_tiles(x, hw, tile, ratio, generator=gen(0), temporal_window=temporal_window)
     assert plan.num_merged == int(keep.sum())
     assert plan.merge(x).shape == (1, int(keep.sum()), 4)
     assert plan.destination_tokens().shape == (1, int(keep.sum()))
@@ -182,10 +182,10 @@ def test_token_counts(hw, tile, tile_frames, ratio):
 
 
 @pytest.mark.parametrize("tau", [DEFAULT_TAU, 5.0])
-@pytest.mark.parametrize("hw,tile,tile_frames", CASES)
-def test_rows_of_merge_and_unmerge_sum_to_one(hw, tile, tile_frames, tau):
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES)
+def test_rows_of_merge_and_unmerge_sum_to_one(hw, tile, temporal_window, tau):
     x = torch.randn(2, math.prod(hw), 16, generator=gen(7))
-    plan = plan_tiles(x, hw, tile, 0.5, tau=tau, generator=gen(0), tile_frames=tile_frames)
+    plan = plan_tiles(x, hw, tile, 0.5, tau=tau, generator=gen(0), temporal_window=temporal_window)
     live = live_mask(plan).expand(2, -1, -1)
     rows_m = plan.merge_weights.sum(-1)
     assert torch.allclose(rows_m[live], torch.ones(()), atol=1e-5)
@@ -198,11 +198,13 @@ def test_rows_of_merge_and_unmerge_sum_to_one(hw, tile, tile_frames, tau):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float16, 1e-2), (torch.bfloat16, 6e-2)])
-@pytest.mark.parametrize("hw,tile,tile_frames", [((8, 8), 4, 1), ((6, 10), 4, 1), ((10, 9), 16, 1), ((3, 6, 10), 4, 2)])
-def test_half_precision(hw, tile, tile_frames, dtype, atol):
+@pytest.mark.parametrize("hw,tile,temporal_window",
+                         [((8, 8), 4, 1), ((6, 10), 4, 1), ((10, 9), 16, 1), ((3, 6, 10), 4, 2)])
+def test_half_precision(hw, tile, temporal_window, dtype, atol):
     x = torch.randn(2, math.prod(hw), 32, generator=gen(8)).to(dtype)
-    plan = plan_tiles(x, hw, tile, 0.5, generator=gen(3), tile_frames=tile_frames)
-    ref = plan_tiles(x.float(), hw, tile, 0.5, generator=gen(3), tile_frames=tile_frames)  # same values, fp32 weights
+    plan = plan_tiles(x, hw, tile, 0.5, generator=gen(3), temporal_window=temporal_window)
+    # same values, fp32 weights
+    ref = plan_tiles(x.float(), hw, tile, 0.5, generator=gen(3), temporal_window=temporal_window)
     assert torch.equal(plan.destinations, ref.destinations)
     assert plan.merge_weights.dtype == dtype and plan.unmerge_weights.dtype == dtype
     assert torch.equal(plan.merge_weights, ref.merge_weights.to(dtype))
@@ -215,17 +217,17 @@ def test_half_precision(hw, tile, tile_frames, dtype, atol):
     assert torch.allclose(out.float(), ref.unmerge(ref_merged), atol=2 * atol, rtol=2 * atol)
 
 
-@pytest.mark.parametrize("hw,tile,tile_frames", CASES)
-def test_given_destinations_are_kept_and_weights_refreshed(hw, tile, tile_frames):
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES)
+def test_given_destinations_are_kept_and_weights_refreshed(hw, tile, temporal_window):
     g = gen(9)
     x1 = torch.randn(2, math.prod(hw), 16, generator=g)
     x2 = torch.randn(2, math.prod(hw), 16, generator=g)
-    first = plan_tiles(x1, hw, tile, 0.5, generator=gen(0), tile_frames=tile_frames)
-    again = plan_tiles(x1, hw, tile, 0.5, destinations=first.destinations, tile_frames=tile_frames)
+    first = plan_tiles(x1, hw, tile, 0.5, generator=gen(0), temporal_window=temporal_window)
+    again = plan_tiles(x1, hw, tile, 0.5, destinations=first.destinations, temporal_window=temporal_window)
     assert torch.equal(again.destinations, first.destinations)
     assert torch.equal(again.merge_weights, first.merge_weights)
     assert torch.equal(again.unmerge_weights, first.unmerge_weights)
-    reused = plan_tiles(x2, hw, tile, 0.5, destinations=first.destinations, tile_frames=tile_frames)
+    reused = plan_tiles(x2, hw, tile, 0.5, destinations=first.destinations, temporal_window=temporal_window)
     assert torch.equal(reused.destinations, first.destinations)
     assert not torch.allclose(reused.merge_weights, first.merge_weights)
     M, U = reference_weights(x2, reused, DEFAULT_TAU)
@@ -243,11 +245,11 @@ def test_given_destinations_of_the_wrong_shape_raise():
     with pytest.raises(ValueError, match="ratio"):
         plan_tiles(x, (8, 8), 4, 1.0)
     video = torch.randn(1, 4 * 64, 8, generator=gen(1))
-    plan = plan_tiles(video, (4, 8, 8), 4, 0.5, tile_frames=2)
+    plan = plan_tiles(video, (4, 8, 8), 4, 0.5, temporal_window=2)
     with pytest.raises(ValueError, match="destinations"):
-        plan_tiles(video, (4, 8, 8), 4, 0.5, destinations=plan.destinations, tile_frames=1)
-    with pytest.raises(ValueError, match="tile_frames must be >= 1"):
-        plan_tiles(video, (4, 8, 8), 4, 0.0, tile_frames=0)
+        plan_tiles(video, (4, 8, 8), 4, 0.5, destinations=plan.destinations, temporal_window=1)
+    with pytest.raises(ValueError, match="temporal_window must be >= 1"):
+        plan_tiles(video, (4, 8, 8), 4, 0.0, temporal_window=0)
     with pytest.raises(ValueError, match="tokens"):
         plan_tiles(video, (3, 8, 8), 4, 0.5)
 
@@ -262,10 +264,10 @@ def test_unmerge_refuses_tokens_it_did_not_merge():
     assert plan.unmerge(merged).shape == x.shape
 
 
-@pytest.mark.parametrize("hw,tile,tile_frames", CASES)
-def test_destination_tokens_name_the_destinations(hw, tile, tile_frames):
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES)
+def test_destination_tokens_name_the_destinations(hw, tile, temporal_window):
     x = torch.randn(2, math.prod(hw), 8, generator=gen(10))
-    plan = plan_tiles(x, hw, tile, 0.5, generator=gen(0), tile_frames=tile_frames)
+    plan = plan_tiles(x, hw, tile, 0.5, generator=gen(0), temporal_window=temporal_window)
     raster = plan.destination_tokens()
     assert raster.shape == (2, plan.num_merged)
     tiles = tile_tokens(x, plan.grid)
@@ -287,10 +289,10 @@ def test_stochastic_selector_on_large_tiles_is_seeded():
     assert not torch.equal(a.destinations, c.destinations)
 
 
-@pytest.mark.parametrize("hw,tile,tile_frames", CASES)
-def test_padding_is_never_a_destination_and_gets_no_weight(hw, tile, tile_frames):
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES)
+def test_padding_is_never_a_destination_and_gets_no_weight(hw, tile, temporal_window):
     x = torch.randn(2, math.prod(hw), 8, generator=gen(13))
-    plan = plan_tiles(x, hw, tile, 0.5, generator=gen(0), tile_frames=tile_frames)
+    plan = plan_tiles(x, hw, tile, 0.5, generator=gen(0), temporal_window=temporal_window)
     valid = plan.grid.valid.expand(2, -1, -1)  # (B, T, S)
     used = plan.destinations >= 0
     assert valid.gather(2, plan.destinations.clamp(min=0))[used].all()
@@ -298,11 +300,11 @@ def test_padding_is_never_a_destination_and_gets_no_weight(hw, tile, tile_frames
     assert (plan.unmerge_weights[~valid] == 0).all()  # and receives nothing back
 
 
-@pytest.mark.parametrize("hw,tile,tile_frames", IMAGE_CASES)
-def test_a_one_frame_video_is_planned_exactly_as_the_image(hw, tile, tile_frames):
+@pytest.mark.parametrize("hw,tile,temporal_window", IMAGE_CASES)
+def test_a_one_frame_video_is_planned_exactly_as_the_image(hw, tile, temporal_window):
     x = torch.randn(2, math.prod(hw), 16, generator=gen(14))
     image = plan_tiles(x, hw, tile, 0.5, generator=gen(0))
-    video = plan_tiles(x, (1, *hw), tile, 0.5, generator=gen(0), tile_frames=tile_frames)
+    video = plan_tiles(x, (1, *hw), tile, 0.5, generator=gen(0), temporal_window=temporal_window)
     assert video.grid == image.grid
     for a, b in [(video.destinations, image.destinations), (video.merge_weights, image.merge_weights),
                  (video.unmerge_weights, image.unmerge_weights), (video.merge(x), image.merge(x)),
@@ -314,7 +316,7 @@ def test_a_one_frame_video_is_planned_exactly_as_the_image(hw, tile, tile_frames
 def test_one_frame_per_window_plans_each_frame_as_an_image(thw, tile):
     frames, h, w = thw
     x = torch.randn(2, frames * h * w, 16, generator=gen(15))
-    video = plan_tiles(x, thw, tile, 0.5, tile_frames=1)
+    video = plan_tiles(x, thw, tile, 0.5, temporal_window=1)
     images = [plan_tiles(f, (h, w), tile, 0.5) for f in x.split(h * w, dim=1)]
     assert torch.equal(video.destinations, torch.cat([p.destinations for p in images], dim=1))
     assert torch.allclose(video.merge_weights, torch.cat([p.merge_weights for p in images], dim=1), atol=1e-6)
@@ -331,8 +333,8 @@ def test_windows_over_two_frames_merge_a_still_frame_into_the_other():
     h, w, tile = 8, 8, 4
     frame = torch.randn(2, h * w, 16, generator=gen(16))
     x = torch.cat([frame, frame], dim=1)
-    across = plan_tiles(x, (2, h, w), tile, 0.5, tile_frames=2)
-    within = plan_tiles(x, (2, h, w), tile, 0.5, tile_frames=1)
+    across = plan_tiles(x, (2, h, w), tile, 0.5, temporal_window=2)
+    within = plan_tiles(x, (2, h, w), tile, 0.5, temporal_window=1)
     assert across.num_merged == within.num_merged == h * w
     assert torch.allclose(across.unmerge(across.merge(x)), x, atol=1e-5)
     assert float((within.unmerge(within.merge(x)) - x).norm() / x.norm()) > 0.3

@@ -188,8 +188,8 @@ def test_run_clock_without_schedule_counts_distinct_sigmas():
 
 @pytest.mark.parametrize("strategy, grid, why", [
     (ToMA(0.5, 1), (8, 8), "window_size 1: each window holds a single token"),
-    (ToMA(0.5, 1, tile_frames=1), (3, 8, 8), "window_size 1 and temporal_window 1: each window holds a single"),
-    (ToMA(0.5, 1, tile_frames=2), (1, 8, 8), "window_size 1: each window holds a single token"),
+    (ToMA(0.5, 1, temporal_window=1), (3, 8, 8), "window_size 1 and temporal_window 1: each window holds a single"),
+    (ToMA(0.5, 1, temporal_window=2), (1, 8, 8), "window_size 1: each window holds a single token"),
     (ToMA(0.5, 4, ReuseSchedule(0.3, 0.3)), (8, 8), "start_percent equals end_percent (0.3)"),
     (ToMA(0.5, 4, ReuseSchedule(1.0, 1.0)), (8, 8), "start_percent equals end_percent (1.0)"),
 ])
@@ -199,7 +199,7 @@ def test_inputs_that_merge_nothing_say_why(strategy, grid, why):
 
 @pytest.mark.parametrize("strategy, grid", [
     (ToMA(0.5, 2), (8, 8)),
-    (ToMA(0.5, 1, tile_frames=2), (3, 8, 8)),  # windows of one token over two frames merge
+    (ToMA(0.5, 1, temporal_window=2), (3, 8, 8)),  # windows of one token over two frames merge
     (ToMA(0.5, 4, ReuseSchedule(0.3, 0.31)), (8, 8)),
     (ToMeSD(0.5), (8, 8)),
     (CAToMe(0.7), (8, 8)),

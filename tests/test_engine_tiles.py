@@ -81,7 +81,7 @@ def test_strided_inputs_and_extra_dtypes():
 
 
 def test_grid_validation():
-    with pytest.raises(ValueError, match="tile"):
+    with pytest.raises(ValueError, match="window_size must be >= 1"):
         TileGrid(4, 4, 0)
     with pytest.raises(ValueError, match="grid"):
         TileGrid(0, 4, 2)
@@ -89,7 +89,7 @@ def test_grid_validation():
         tile_tokens(torch.zeros(1, 15, 2), TileGrid(4, 4, 2))
 
 
-# -- windows over frames: a frames x h x w grid cut into tile_frames x tile x tile windows --------------
+# -- windows over frames: a frames x h x w grid cut into temporal_window x tile x tile windows --------------
 VIDEO_GRIDS = [(2, 4, 4), (3, 5, 7), (4, 6, 6), (5, 3, 4), (1, 7, 5)]
 TILE_FRAMES = [1, 2, 3, 4, 6]
 
@@ -117,22 +117,22 @@ def reference_windows(x: torch.Tensor, frames: int, h: int, w: int, t: int, f: i
     return out, valid, origin
 
 
-@pytest.mark.parametrize("tile_frames", TILE_FRAMES)
+@pytest.mark.parametrize("temporal_window", TILE_FRAMES)
 @pytest.mark.parametrize("tile", [1, 2, 4])
 @pytest.mark.parametrize("thw", VIDEO_GRIDS)
-def test_video_round_trip_is_exact_and_layout_matches_reference(thw, tile, tile_frames):
+def test_video_round_trip_is_exact_and_layout_matches_reference(thw, tile, temporal_window):
     frames, h, w = thw
     x = torch.randn(2, frames * h * w, 3, generator=torch.Generator().manual_seed(frames * 1000 + h * 10 + w))
-    grid = TileGrid(h, w, tile, frames=frames, tile_frames=tile_frames)
+    grid = TileGrid(h, w, tile, frames=frames, temporal_window=temporal_window)
     tiles = tile_tokens(x, grid)
-    assert tiles.shape == (2, grid.num_tiles, tile_frames * tile * tile, 3)
+    assert tiles.shape == (2, grid.num_tiles, temporal_window * tile * tile, 3)
     assert torch.equal(untile_tokens(tiles, grid), x)
-    ref, valid, origin = reference_windows(x, frames, h, w, tile, tile_frames)
+    ref, valid, origin = reference_windows(x, frames, h, w, tile, temporal_window)
     assert torch.equal(tiles, ref)
     assert torch.equal(grid.valid, valid)
     assert torch.equal(grid.tile_origin, origin)
     assert int(grid.valid.sum()) == frames * h * w
-    assert grid.padded == (frames % tile_frames != 0 or h % tile != 0 or w % tile != 0)
+    assert grid.padded == (frames % temporal_window != 0 or h % tile != 0 or w % tile != 0)
 
 
 @pytest.mark.parametrize("tile", [1, 2, 3])
@@ -150,15 +150,15 @@ def test_one_frame_per_window_is_the_2d_tiling_of_each_frame(thw, tile):
 
 def test_one_frame_grids_are_the_2d_grids():
     assert token_grid((1, 6, 10), 4) == token_grid((6, 10), 4) == TileGrid(6, 10, 4)
-    assert token_grid((3, 6, 10), 4, 2) == TileGrid(6, 10, 4, frames=3, tile_frames=2)
+    assert token_grid((3, 6, 10), 4, 2) == TileGrid(6, 10, 4, frames=3, temporal_window=2)
 
 
 def test_video_grid_validation():
     with pytest.raises(ValueError, match="frames must be >= 1"):
         TileGrid(4, 4, 2, frames=0)
-    with pytest.raises(ValueError, match="tile_frames must be >= 1"):
-        TileGrid(4, 4, 2, frames=3, tile_frames=0)
+    with pytest.raises(ValueError, match="temporal_window must be >= 1"):
+        TileGrid(4, 4, 2, frames=3, temporal_window=0)
     with pytest.raises(ValueError, match=r"\(h, w\) or \(frames, h, w\)"):
         token_grid((2, 3, 4, 4), 2)
     with pytest.raises(ValueError, match="2x4x4=32 tokens"):
-        tile_tokens(torch.zeros(1, 16, 2), TileGrid(4, 4, 2, frames=2, tile_frames=2))
+        tile_tokens(torch.zeros(1, 16, 2), TileGrid(4, 4, 2, frames=2, temporal_window=2))

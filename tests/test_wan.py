@@ -188,7 +188,7 @@ def test_merged_block_call_gets_destination_rows(pack, built, temporal_window):
         assert torch.equal(seen["vec"][b], args["vec"][b][kept // frame_rows])
         assert torch.equal(seen["img"][b, :p], args["img"][b, :p])
         assert torch.equal(seen["img"][b, p + n:], args["img"][b, p + 60:])
-    assert plan.grid.frames == 3 and plan.grid.tile_frames == temporal_window
+    assert plan.grid.frames == 3 and plan.grid.temporal_window == temporal_window
     # a +1 update on merged tokens is +1 on every video token
     dit_checks.check_update_on_every_token(out["img"], args["img"])
 

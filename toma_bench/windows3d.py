@@ -6,7 +6,7 @@ Frames of a video are redundant, so a window that spans a few frames should find
 near twin among its destinations. This measures it at engine level, on synthetic videos: a photo seen
 by a camera that pans (and zooms) over ``--frames`` frames of ``--size`` x ``--size`` tokens, each token
 an 8 x 8-pixel RGB patch embedded to C = 64 channels by a fixed seeded random linear map and layer-normed
-(ToMA plans from the block's normalised input). For each window (side ``tile`` in tokens, ``tile_frames``
+(ToMA plans from the block's normalised input). For each window (side ``window_size`` in tokens, ``temporal_window``
 frames) and ratio it reports, averaged over ``--clips`` clips (random start and direction, seeded):
 
 - ``recon``: relative L2 error of unmerge(merge(x)) against x;
@@ -37,7 +37,7 @@ from toma_core.plan import DEFAULT_TAU, plan_tiles
 PATCH = 8  # pixels per token side
 CHANNELS = 64
 HEADS = 4
-WINDOWS = [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]  # (tile, tile_frames)
+WINDOWS = [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]  # (tile, temporal_window)
 RATIOS = (0.25, 0.5, 0.75)
 # (name, pan in tokens per frame, zoom per frame): the crop shrinks by the zoom factor every frame
 MOTIONS = [("slow pan + zoom in", 0.25, 0.01), ("fast pan", 1.0, 0.0)]
@@ -112,11 +112,11 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def measure(videos: list[torch.Tensor], thw: tuple[int, int, int], qkv: torch.Tensor) -> dict:
-    """{(tile, tile_frames): {"recon": {ratio: mean error}, "attn": {...}, "select": ms}} over ``videos``
+    """{(tile, temporal_window): {"recon": {ratio: mean error}, "attn": {...}, "select": ms}} over ``videos``
     ((1, frames*h*w, C) each, thw = (frames, h, w))."""
     fulls = [attention(x, qkv) for x in videos]
     results = {}
-    for tile, tile_frames in WINDOWS:
+    for tile, temporal_window in WINDOWS:
         recon = {r: [] for r in RATIOS}
         attn = {r: [] for r in RATIOS}
         select = []
@@ -124,12 +124,12 @@ def measure(videos: list[torch.Tensor], thw: tuple[int, int, int], qkv: torch.Te
             for ratio in RATIOS:
                 start = time.process_time()
                 plan = plan_tiles(x, thw, tile, ratio, generator=torch.Generator().manual_seed(0),
-                                  tile_frames=tile_frames)
+                                  temporal_window=temporal_window)
                 if ratio == 0.5:
                     select.append(1000 * (time.process_time() - start))
                 recon[ratio].append(relative_error(plan.unmerge(plan.merge(x)), x))
                 attn[ratio].append(relative_error(plan.unmerge(attention(plan.merge(x), qkv)), full))
-        results[tile, tile_frames] = {"recon": {r: statistics.fmean(e) for r, e in recon.items()},
+        results[tile, temporal_window] = {"recon": {r: statistics.fmean(e) for r, e in recon.items()},
                                       "attn": {r: statistics.fmean(e) for r, e in attn.items()},
                                       "select": statistics.median(select)}
     return results
@@ -139,8 +139,8 @@ def format_table(results: dict) -> str:
     head = (["window", "tokens"] + [f"recon {r}" for r in RATIOS] + [f"attn {r}" for r in RATIOS]
             + ["select ms"])
     rows = []
-    for (tile, tile_frames), res in results.items():
-        rows.append([f"{tile_frames}x{tile}x{tile}", str(tile_frames * tile * tile)]
+    for (tile, temporal_window), res in results.items():
+        rows.append([f"{temporal_window}x{tile}x{tile}", str(temporal_window * tile * tile)]
                     + [f"{res['recon'][r]:.3f}" for r in RATIOS] + [f"{res['attn'][r]:.3f}" for r in RATIOS]
                     + [f"{res['select']:.0f}"])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
           f"torch {torch.__version__}; {torch.get_num_threads()} CPU thread(s)")
     print(f"photo {path} ({photo.size[0]}x{photo.size[1]}); {args.clips} clips of {args.frames} frames x "
           f"{args.size}x{args.size} tokens ({PATCH}x{PATCH}-pixel patches), C={CHANNELS}; tau {DEFAULT_TAU:g}; "
-          f"errors: mean relative L2 over clips; window = tile_frames x tile x tile")
+          f"errors: mean relative L2 over clips; window = temporal_window x window_size x window_size")
     with torch.inference_mode():
         for name, pan, zoom in MOTIONS:
             clips = random_clips(photo, args.clips, args.frames, args.size, pan, zoom, generator)

@@ -153,19 +153,19 @@ class IdentityPlan(TokenPlan):
 def plan_tiles(
     x: torch.Tensor,
     hw: tuple[int, int] | tuple[int, int, int],
-    tile: int,
+    window_size: int,
     ratio: float,
     tau: float = DEFAULT_TAU,
     exact: bool = False,
     destinations: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-    tile_frames: int = 1,
+    temporal_window: int = 1,
 ) -> "MergePlan | IdentityPlan":
     """Build a ToMA plan from block features.
 
     x: (B, N, C) features that decide similarity (the block's normalised input), N = h*w row-major, or
     N = frames*h*w (frame-major, then row-major) for a video.
-    hw: (h, w) token grid, or (frames, h, w). tile: tile side in tokens. tile_frames: frames a window
+    hw: (h, w) token grid, or (frames, h, w). window_size: a window's side in tokens. temporal_window: frames a window
     spans (1: each frame is tiled on its own, as an image). ratio: fraction of tokens removed, in [0, 1).
     tau: softmax sharpness; large tau makes A hard and U = A^T the exact pseudo-inverse of M.
     exact: unmerge with the true pseudo-inverse of M (fp32), for soft tau.
@@ -173,7 +173,7 @@ def plan_tiles(
     generator: seeded generator for the stochastic selector used on large tiles.
     Weights are computed in fp32 and returned in x's dtype.
     """
-    grid = token_grid(hw, tile, tile_frames)
+    grid = token_grid(hw, window_size, temporal_window)
     if ratio == 0.0:
         return IdentityPlan(grid, x.shape[0], x.device)
     geometry = plan_geometry(grid, float(ratio), x.device)

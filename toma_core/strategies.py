@@ -27,7 +27,7 @@ class ToMA:
     """ToMA: destinations by facility location in local windows, soft merge weights, reused across steps
     as ``schedule`` says and, where ``shares_plans``, across the blocks of a group (else each block builds
     its own from its own input). A window is ``window_size`` tokens square and, on a video grid,
-    ``tile_frames`` frames deep (1: each frame apart, as on images)."""
+    ``temporal_window`` frames deep (1: each frame apart, as on images)."""
 
     ratio: float
     window_size: int
@@ -35,7 +35,7 @@ class ToMA:
     tau: float = DEFAULT_TAU
     exact: bool = False
     seed: int = 0
-    tile_frames: int = 1
+    temporal_window: int = 1
     shares_plans: bool = True
     # where plans are per block: the group's first block chooses the destinations, every block its own
     # weights (one selection per group instead of one per block)
@@ -46,14 +46,14 @@ class ToMA:
 
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
         return plan_tiles(features, grid, self.window_size, self.ratio, self.tau, self.exact,
-                          destinations=destinations, generator=generator, tile_frames=self.tile_frames)
+                          destinations=destinations, generator=generator, temporal_window=self.temporal_window)
 
     def merges_nothing(self, grid) -> str | None:
         start, end = self.schedule.start_percent, self.schedule.end_percent
         if start == end:
             return f"start_percent equals end_percent ({start}): no step lies between them"
         video = len(grid) == 3 and grid[0] > 1
-        if self.window_size == 1 and (not video or self.tile_frames == 1):
+        if self.window_size == 1 and (not video or self.temporal_window == 1):
             depth = " and temporal_window 1" if video else ""
             return f"window_size 1{depth}: each window holds a single token, with nothing to merge into it"
         return None

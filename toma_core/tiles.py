@@ -1,12 +1,12 @@
 """Local windows of a raster token grid: tiles of an image, or tiles spanning a few frames of a video.
 
 A grid of ``frames`` x h x w tokens (raster order: frame-major, then row, then column; an image is one
-frame) is cut into non-overlapping windows of ``tile_frames`` x ``tile`` x ``tile`` tokens. Windows come
-in raster order (frame window, then tile row, then tile column), tokens inside a window in raster order
-too. When a side is not a multiple of its window side the grid is padded at the end of that axis
-(last frames, bottom, right) with masked tokens, so every real token belongs to exactly one window and
-all windows have the same shape (one batched matmul serves them all). With one frame per window the
-windows are exactly the 2-D tiles of each frame.
+frame) is cut into non-overlapping windows ("tiles") of ``temporal_window`` x ``window_size`` x
+``window_size`` tokens. Windows come in raster order (frame window, then tile row, then tile column),
+tokens inside a window in raster order too. When a side is not a multiple of its window side the grid
+is padded at the end of that axis (last frames, bottom, right) with masked tokens, so every real token
+belongs to exactly one window and all windows have the same shape (one batched matmul serves them all).
+With one frame per window the windows are exactly the 2-D tiles of each frame.
 """
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -17,37 +17,37 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class TileGrid:
-    """Geometry of the tiling of a ``frames`` x ``h`` x ``w`` grid into ``tile_frames`` x ``tile`` x
-    ``tile`` windows ("tiles"; ``frames`` = ``tile_frames`` = 1 is an image cut into 2-D tiles)."""
+    """Geometry of the tiling of a ``frames`` x ``h`` x ``w`` grid into ``temporal_window`` x ``window_size`` x
+    ``window_size`` windows ("tiles"; ``frames`` = ``temporal_window`` = 1 is an image cut into 2-D tiles)."""
 
     h: int
     w: int
-    tile: int
+    window_size: int
     frames: int = 1
-    tile_frames: int = 1
+    temporal_window: int = 1
 
     def __post_init__(self):
         if self.h < 1 or self.w < 1:
             raise ValueError(f"token grid must be at least 1x1, got {self.h}x{self.w}")
-        if self.tile < 1:
-            raise ValueError(f"tile must be >= 1, got {self.tile}")
+        if self.window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {self.window_size}")
         if self.frames < 1:
             raise ValueError(f"frames must be >= 1 (an image is 1 frame), got {self.frames}")
-        if self.tile_frames < 1:
-            raise ValueError(f"tile_frames must be >= 1 (1 = 2-D tiles in each frame), got {self.tile_frames}")
+        if self.temporal_window < 1:
+            raise ValueError(f"temporal_window must be >= 1 (1 = 2-D tiles in each frame), got {self.temporal_window}")
 
     @property
     def rows(self) -> int:
-        return -(-self.h // self.tile)
+        return -(-self.h // self.window_size)
 
     @property
     def cols(self) -> int:
-        return -(-self.w // self.tile)
+        return -(-self.w // self.window_size)
 
     @property
     def frame_windows(self) -> int:
         """Windows along the frame axis."""
-        return -(-self.frames // self.tile_frames)
+        return -(-self.frames // self.temporal_window)
 
     @property
     def num_tiles(self) -> int:
@@ -55,7 +55,7 @@ class TileGrid:
 
     @property
     def tile_size(self) -> int:
-        return self.tile_frames * self.tile * self.tile
+        return self.temporal_window * self.window_size * self.window_size
 
     @property
     def num_tokens(self) -> int:
@@ -63,20 +63,20 @@ class TileGrid:
 
     @property
     def padded(self) -> bool:
-        return (self.frame_windows * self.tile_frames != self.frames or self.rows * self.tile != self.h
-                or self.cols * self.tile != self.w)
+        return (self.frame_windows * self.temporal_window != self.frames or self.rows * self.window_size != self.h
+                or self.cols * self.window_size != self.w)
 
     def _window_axes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Padded frame, row and column of every slot, as aranges shaped to broadcast to
-        (frame windows, tile_frames, rows, tile, cols, tile)."""
-        f, t = self.tile_frames, self.tile
+        (frame windows, temporal_window, rows, window_size, cols, window_size)."""
+        f, t = self.temporal_window, self.window_size
         frame = torch.arange(self.frame_windows * f).view(-1, f, 1, 1, 1, 1)
         row = torch.arange(self.rows * t).view(1, 1, -1, t, 1, 1)
         col = torch.arange(self.cols * t).view(1, 1, 1, 1, -1, t)
         return frame, row, col
 
     def _to_slots(self, per_position: torch.Tensor) -> torch.Tensor:
-        """(frame windows, tile_frames, rows, tile, cols, tile) -> (T, S) in window and slot order."""
+        """(frame windows, temporal_window, rows, window_size, cols, window_size) -> (T, S) in window and slot order."""
         return per_position.permute(0, 2, 4, 1, 3, 5).reshape(self.num_tiles, self.tile_size)
 
     @cached_property
@@ -94,16 +94,17 @@ class TileGrid:
         return self._to_slots(raster + col.clamp(max=self.w - 1))
 
 
-def token_grid(shape: tuple[int, ...], tile: int, tile_frames: int = 1) -> TileGrid:
+def token_grid(shape: tuple[int, ...], window_size: int, temporal_window: int = 1) -> TileGrid:
     """The TileGrid of a token grid ``shape`` = (h, w) or (frames, h, w). A window spans at most the
     frames there are: padding frames would cost selection time and change nothing (an image, or a
-    one-frame video, plans exactly as with 2-D tiles whatever ``tile_frames`` says)."""
-    if tile_frames < 1:
-        raise ValueError(f"tile_frames must be >= 1 (1 = 2-D tiles in each frame), got {tile_frames}")
+    one-frame video, plans exactly as with 2-D tiles whatever ``temporal_window`` says)."""
+    if temporal_window < 1:
+        raise ValueError(f"temporal_window must be >= 1 (1 = 2-D tiles in each frame), got {temporal_window}")
     if len(shape) == 2:
-        return TileGrid(shape[0], shape[1], tile)
+        return TileGrid(shape[0], shape[1], window_size)
     if len(shape) == 3:
-        return TileGrid(shape[1], shape[2], tile, frames=shape[0], tile_frames=min(tile_frames, shape[0]))
+        return TileGrid(shape[1], shape[2], window_size, frames=shape[0],
+                        temporal_window=min(temporal_window, shape[0]))
     raise ValueError(f"token grid must be (h, w) or (frames, h, w), got {tuple(shape)}")
 
 
@@ -119,7 +120,7 @@ def tile_tokens(x: torch.Tensor, grid: TileGrid) -> torch.Tensor:
     B, N, C = x.shape
     if N != grid.num_tokens:
         raise ValueError(f"expected {grid.frames}x{grid.h}x{grid.w}={grid.num_tokens} tokens, got {N}")
-    f, t = grid.tile_frames, grid.tile
+    f, t = grid.temporal_window, grid.window_size
     g = x.view(B, grid.frames, grid.h, grid.w, C)
     if grid.padded:
         g = F.pad(g, (0, 0, 0, grid.cols * t - grid.w, 0, grid.rows * t - grid.h,
@@ -131,7 +132,7 @@ def tile_tokens(x: torch.Tensor, grid: TileGrid) -> torch.Tensor:
 def untile_tokens(tiles: torch.Tensor, grid: TileGrid) -> torch.Tensor:
     """(B, T, S, C) tiles -> (B, frames*h*w, C) raster tokens; padding slots are dropped."""
     B, T, S, C = tiles.shape
-    f, t = grid.tile_frames, grid.tile
+    f, t = grid.temporal_window, grid.window_size
     g = tiles.view(B, grid.frame_windows, grid.rows, grid.cols, f, t, t, C).permute(0, 1, 4, 2, 5, 3, 6, 7)
     g = g.reshape(B, grid.frame_windows * f, grid.rows * t, grid.cols * t, C)
     if grid.padded:

@@ -10,7 +10,7 @@ the video with their own positions (``keyframe_idxs``): their tokens follow the 
 Per-token timesteps: with a noise mask (image-to-video, guides replacing frames) ComfyUI gives every
 token its own timestep, so the modulation ``vec`` is (B, N, 6C) instead of (B, 1, 6C). The first
 latent frame then stays unmerged (image-to-video conditions it: timestep 0, clean image), and every
-merged token takes its destination's modulation row; windows of one frame (ToMA's tile_frames 1)
+merged token takes its destination's modulation row; windows of one frame (ToMA's temporal_window 1)
 never mix frames, so per-frame timesteps (every built-in LTX-Video node) stay exact at any frame; with
 windows over several frames, or a spatial noise mask, a window mixing timesteps modulates its merged
 tokens as their destinations.

@@ -53,7 +53,7 @@ def record_plan(plan, step: int, grid: tuple[int, ...], strategy=None) -> PlanRe
     """The PlanRecord of ``plan`` used from ``step`` on, for a token grid (h, w) or (frames, h, w).
     ``strategy`` gives the window of bipartite plans (its strides ``sy``, ``sx``)."""
     if isinstance(plan, MergePlan):
-        window = (plan.grid.tile, plan.grid.tile)
+        window = (plan.grid.window_size, plan.grid.window_size)
     elif isinstance(plan, BipartitePlan):
         window = (strategy.sy, strategy.sx) if hasattr(strategy, "sy") and hasattr(strategy, "sx") else None
     else:
