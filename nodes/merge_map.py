@@ -172,7 +172,8 @@ class ToMAMergeMap:
                 "level": ("INT", {"default": 0, "min": 0, "max": 15, "tooltip": "Which group of merged "
                                   "blocks to show, largest token grid first: UNet 0 = the highest-resolution "
                                   "merged level (1/1 on SD1.x, 1/2 on SDXL), 1 = the next smaller; Flux 0 = "
-                                  "double blocks, 1 = single blocks; SD3 0 = joint blocks."}),
+                                  "two-stream (its double) blocks, 1 = joint (its single) blocks; SD3 0 = "
+                                  "two-stream (its joint) blocks; video DiTs 0 = video blocks."}),
                 "step": ("INT", {"default": -1, "min": -1, "max": 10000, "tooltip": "Sampling step (0 = first) "
                                  "whose plan to show; -1 = the last merged step. Steps that did not merge "
                                  "raise an error listing those that did."}),

@@ -46,7 +46,7 @@ def test_attention_scope_merges_only_the_double_blocks_attention(pack, chroma):
         return sample(m, SIZES["odd"])
 
     out, _ = dit_checks.check_half_ratio_merges(dit_checks.toma_patched(pack, chroma, scope="attention"), chroma,
-                                                run, ["double 14x20", "single 14x20"], 14 * 20, bound=0.15)
+                                                run, ["two-stream 14x20", "joint 14x20"], 14 * 20, bound=0.15)
     assert relative_l2(out, run(dit_checks.toma_patched(pack, chroma, scope="block")[0])) > 1e-4
 
 
@@ -67,5 +67,5 @@ def test_radiance_merges_its_16_pixel_patch_grid(pack, radiance):
     exact, _ = dit_checks.toma_patched(pack, radiance, ratio=0.1, window=2)
     dit_checks.check_merging_only_permutes(exact, radiance, run)
     out, unpatched = dit_checks.check_half_ratio_merges(dit_checks.toma_patched(pack, radiance), radiance, run,
-                                                        ["double 13x9", "single 13x9"], 117, bound=0.25)
+                                                        ["two-stream 13x9", "joint 13x9"], 117, bound=0.25)
     assert relative_l2(out, unpatched) > 1e-3

@@ -46,7 +46,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, flux):
     patched, runtime = attention_scope(pack, flux, ratio=0.1, window=2)
     dit_checks.check_merging_only_permutes(patched, flux, lambda m: sample(m, batch=2, cfg=2.0))
     levels = runtime.summary()["levels"]
-    assert sorted(levels) == ["double 14x20", "single 14x20"] and all(v["steps"] == 2 for v in levels.values())
+    assert sorted(levels) == ["two-stream 14x20", "joint 14x20"] and all(v["steps"] == 2 for v in levels.values())
 
 
 def test_half_ratio_stays_close_and_differs_from_block_scope(pack, flux):
@@ -54,7 +54,7 @@ def test_half_ratio_stays_close_and_differs_from_block_scope(pack, flux):
     margin of five), and not the whole-block result; the override never stays in the model's options."""
     patched, runtime = attention_scope(pack, flux)
     out, _ = dit_checks.check_half_ratio_merges((patched, runtime), flux, sample,
-                                                ["double 14x20", "single 14x20"], 14 * 20, bound=0.1)
+                                                ["two-stream 14x20", "joint 14x20"], 14 * 20, bound=0.1)
     block, _ = toma_patched(pack, flux, scope="block")
     assert relative_l2(out, sample(block)) > 1e-4
     assert OVERRIDE not in patched.model_options.get("transformer_options", {})
@@ -91,7 +91,7 @@ def test_an_override_already_set_is_chained(pack, flux):
     patched, runtime = attention_scope(pack, counted)
     options_before = dict(patched.model_options["transformer_options"])
     sample(patched, steps=1)
-    merged = 77 + runtime.summary()["levels"]["double 14x20"]["merged_tokens"]
+    merged = 77 + runtime.summary()["levels"]["two-stream 14x20"]["merged_tokens"]
     assert plain == [77 + 14 * 20] * 5  # 2 double blocks, 3 single blocks
     assert lengths == [77 + 14 * 20] + [merged] * 4  # double 0 unmerged; double 1 and the single blocks merged
     assert patched.model_options["transformer_options"] == options_before

@@ -18,12 +18,12 @@ def dit(pack):
 
 def test_skip_rule_reproduces_the_paper_at_flux_depth(dit):
     # FLUX.1: double blocks 5-18 of 19, single blocks 5-37 of 38 merge
-    assert dit.merged_blocks(19, "double") == range(5, 19)
-    assert dit.merged_blocks(38, "single") == range(5, 38)
+    assert dit.merged_blocks(19, dit.TWO_STREAM) == range(5, 19)
+    assert dit.merged_blocks(38, dit.JOINT) == range(5, 38)
 
 
-@pytest.mark.parametrize("depth,group,first", [(4, "double", 1), (8, "single", 1), (24, "double", 6),
-                                               (38, "double", 10), (2, "single", 0), (1, "double", 0)])
+@pytest.mark.parametrize("depth,group,first", [(4, "two-stream", 1), (8, "joint", 1), (24, "two-stream", 6),
+                                               (38, "two-stream", 10), (2, "joint", 0), (1, "two-stream", 0)])
 def test_skip_rule_scales_with_depth(dit, depth, group, first):
     blocks = dit.merged_blocks(depth, group)
     assert blocks == range(first, depth)

@@ -40,8 +40,8 @@ def test_kontext_reference_tokens_stay_unmerged(pack, built):
     half_patched, half = toma_patched(pack, model)
     out = sample(half_patched, "flux", SIZES["odd"], reference=reference)
     assert torch.isfinite(out).all()
-    assert {k: v["tokens"] for k, v in half.summary()["levels"].items()} == {"double 14x20": 280,
-                                                                               "single 14x20": 280}
+    assert {k: v["tokens"] for k, v in half.summary()["levels"].items()} == {"two-stream 14x20": 280,
+                                                                               "joint 14x20": 280}
 
 
 def _flux_call(pack, model, h, w, txt_len, extra_hw, batch=2):
@@ -108,7 +108,7 @@ def test_sd3_last_block_returns_no_text(pack, built):
     model, dit = built["sd3"], pack.nodes.adapters.dit
     dm = model.model.diffusion_model
     last = len(dm.joint_blocks) - 1
-    assert last in dit.merged_blocks(len(dm.joint_blocks), "double")
+    assert last in dit.merged_blocks(len(dm.joint_blocks), dit.TWO_STREAM)
     g = torch.Generator().manual_seed(5)
     C = dm.hidden_size
     args = {"img": torch.randn(1, 6 * 5, C, generator=g), "txt": torch.randn(1, 11, C, generator=g),
@@ -124,7 +124,7 @@ def test_sd3_last_block_returns_no_text(pack, built):
     with torch.no_grad():
         out = dit.DiTPatch(runtime).double_block(dict(args), {"original_block": block})
     assert out["txt"] is None and out["img"].shape == args["img"].shape
-    assert runtime.summary()["levels"]["double 6x5"]["merged_tokens"] < 30
+    assert runtime.summary()["levels"]["two-stream 6x5"]["merged_tokens"] < 30
 
 
 @pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])

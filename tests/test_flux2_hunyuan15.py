@@ -77,7 +77,7 @@ def test_flux2_merging_into_every_token_reproduces_the_unpatched_model(pack, flu
     patched, runtime = dit_checks.toma_patched(pack, flux2, ratio=0.1, window=2, scope=scope)
     dit_checks.check_merging_only_permutes(patched, flux2, lambda m: sample_flux2(m, batch=2, cfg=2.0,
                                                                                  reference=reference))
-    assert sorted(runtime.summary()["levels"]) == ["double 13x19", "single 13x19"]
+    assert sorted(runtime.summary()["levels"]) == ["two-stream 13x19", "joint 13x19"]
 
 
 def test_flux2_reference_tokens_stay_unmerged(pack, flux2):
@@ -87,7 +87,7 @@ def test_flux2_reference_tokens_stay_unmerged(pack, flux2):
     out = sample_flux2(patched, reference=reference)
     assert torch.isfinite(out).all() and relative_l2(out, sample_flux2(flux2, reference=reference)) < 0.25
     assert {k: (v["tokens"], v["merged_tokens"]) for k, v in runtime.summary()["levels"].items()} == {
-        "double 13x19": (247, 124), "single 13x19": (247, 124)}
+        "two-stream 13x19": (247, 124), "joint 13x19": (247, 124)}
 
 
 # -- HunyuanVideo 1.5 --------------------------------------------------------------------------------------
@@ -104,5 +104,5 @@ def test_hunyuan15_merging_into_every_token_reproduces_the_unpatched_model(pack,
     model = hunyuan15["sr" if variant == "sr" else "t2v"]
     patched, runtime = dit_checks.toma_patched(pack, model, ratio=0.1, window=2, temporal_window=1)
     dit_checks.check_merging_only_permutes(patched, model, lambda m: sample_hunyuan15(m, variant, batch=2, cfg=2.0))
-    assert sorted(runtime.summary()["levels"]) == ["double 3x7x9"]
+    assert sorted(runtime.summary()["levels"]) == ["two-stream 3x7x9"]
 

@@ -76,7 +76,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, va
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
     dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, **inputs))
     frames = 4 if "first_frame" in inputs else 5  # image-to-video v2: the first frame leads unmerged
-    assert sorted(runtime.summary()["levels"]) == [f"double {frames}x7x11", f"single {frames}x7x11"]
+    assert sorted(runtime.summary()["levels"]) == [f"two-stream {frames}x7x11", f"joint {frames}x7x11"]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -93,7 +93,7 @@ def test_attention_scope_merging_into_every_token_reproduces_the_unpatched_model
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, scope="attention")
     dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, **inputs))
     frames = 4 if "first_frame" in inputs else 5
-    assert sorted(runtime.summary()["levels"]) == [f"double {frames}x7x11", f"single {frames}x7x11"]
+    assert sorted(runtime.summary()["levels"]) == [f"two-stream {frames}x7x11", f"joint {frames}x7x11"]
 
 
 def test_attention_scope_half_ratio_keeps_the_first_frame(pack, model):
@@ -119,7 +119,7 @@ def test_image_to_video_keeps_the_first_frame_unmerged(pack, model):
     assert torch.isfinite(out).all() and 0.0 < relative_l2(out, reference) < 0.1
     assert torch.allclose(out[:, :, 0], reference[:, :, 0])
     levels = runtime.summary()["levels"]
-    assert {k: v["tokens"] for k, v in levels.items()} == {"double 4x7x11": 308, "single 4x7x11": 308}
+    assert {k: v["tokens"] for k, v in levels.items()} == {"two-stream 4x7x11": 308, "joint 4x7x11": 308}
 
 
 def test_merge_map_draws_the_first_frame_of_the_video_grid(pack, model):
@@ -129,7 +129,7 @@ def test_merge_map_draws_the_first_frame_of_the_video_grid(pack, model):
     samples = sample(patched)
     mm = pack.nodes.merge_map
     levels = runtime.report().levels
-    assert [level.label for level in mm.merged_levels(levels)] == ["double 5x7x11", "single 5x7x11"]
+    assert [level.label for level in mm.merged_levels(levels)] == ["two-stream 5x7x11", "joint 5x7x11"]
     for level, name in enumerate(mm.merged_levels(levels)):
         record = levels[name].records[-1]
         assert (record.frames, record.h, record.w) == (5, 7, 11) and record.groups.numel() == 385
@@ -242,7 +242,7 @@ def test_hunyuan_image_latents_merge_as_an_image(pack):
 
     patched, runtime = toma_patched(pack, image_model, ratio=0.05, window=2)
     dit_checks.check_merging_only_permutes(patched, image_model, run)
-    assert sorted(runtime.summary()["levels"]) == ["double 7x9", "single 7x9"]
+    assert sorted(runtime.summary()["levels"]) == ["two-stream 7x9", "joint 7x9"]
 
 
 @pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
@@ -272,5 +272,5 @@ def test_real_latent_with_tiny_width(pack):
                               seed=0, disable_pbar=True)
     assert out.shape == noise.shape and torch.isfinite(out).all()
     levels = runtime.summary()["levels"]
-    assert sorted(levels) == ["double 5x20x32", "single 5x20x32"]
+    assert sorted(levels) == ["two-stream 5x20x32", "joint 5x20x32"]
     assert all(v["tokens"] == 3200 and abs(v["merged_tokens"] - 1600) <= 100 for v in levels.values())

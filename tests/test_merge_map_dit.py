@@ -21,10 +21,10 @@ def test_flux_merge_map_and_stats_show_both_block_groups(pack, sent):
     mm = pack.nodes.merge_map
     runtime = pack.nodes.runtime.runtime_of(patched)
     levels = runtime.report().levels
-    assert [level.label for level in mm.merged_levels(levels)] == ["double 13x19", "single 13x19"]
+    assert [level.label for level in mm.merged_levels(levels)] == ["two-stream 13x19", "joint 13x19"]
     for level, name in enumerate(mm.merged_levels(levels)):
         image, = mm.ToMAMergeMap().draw(patched, {"samples": samples}, level, -1)
         assert image.shape == (1, 8 * LATENT[0], 8 * LATENT[1], 3)
         assert torch.equal(image[0], mm.render_record(levels[name].records[-1], 8 * LATENT[0], 8 * LATENT[1]))
     assert len(sent) == 1 and sent[0][1]["node"] == "9"
-    assert [line.split(":")[0] for line in sent[0][1]["lines"][:2]] == ["double 13x19", "single 13x19"]
+    assert [line.split(":")[0] for line in sent[0][1]["lines"][:2]] == ["two-stream 13x19", "joint 13x19"]

@@ -61,8 +61,8 @@ def test_merged_block_call_gets_destination_positions(pack, qwen):
     out = dit_checks.dit_patches(patched)[("double_block", 1)](dict(args),
                                                               {"original_block": dit_checks.spy(seen, passes=("txt",))})
     plans = {key.level.group: plan for key, plan in runtime.report().plans.items()}
-    image_dst = plans["double"].destination_tokens()
-    ref_dst = plans["double reference 1"].destination_tokens()
+    image_dst = plans["two-stream"].destination_tokens()
+    ref_dst = plans["two-stream reference 1"].destination_tokens()
     n, r = image_dst.shape[1], ref_dst.shape[1]
     assert n < n_img and r < n_ref and seen["img"].shape[1] == n + r and seen["pe"].shape[1] == txt_len + n + r
     for b in range(2):
@@ -96,14 +96,14 @@ def test_edit_references_merge_by_their_own_plans(pack, qwen, method):
     unpatched = run(qwen)
     exact, runtime = dit_checks.toma_patched(pack, qwen, ratio=0.1, window=2)
     assert relative_l2(run(exact), unpatched) < 1e-5
-    assert sorted(runtime.summary()["levels"]) == ["double 14x20", "double reference 1 10x7",
-                                                   "double reference 2 5x6"]
+    assert sorted(runtime.summary()["levels"]) == ["two-stream 14x20", "two-stream reference 1 10x7",
+                                                   "two-stream reference 2 5x6"]
     half_patched, half = dit_checks.toma_patched(pack, qwen)
     out = run(half_patched)
     assert torch.isfinite(out).all() and 1e-4 < relative_l2(out, unpatched) < 0.05
     levels = half.summary()["levels"]
-    assert {k: v["tokens"] for k, v in levels.items()} == {"double 14x20": 280, "double reference 1 10x7": 70,
-                                                           "double reference 2 5x6": 30}
+    assert {k: v["tokens"] for k, v in levels.items()} == {"two-stream 14x20": 280, "two-stream reference 1 10x7": 70,
+                                                           "two-stream reference 2 5x6": 30}
     assert all(abs(v["merged_tokens"] - v["tokens"] / 2) <= v["tokens"] / 8 for v in levels.values())
 
 
@@ -113,7 +113,7 @@ def test_real_1024_latent_with_tiny_width(pack):
     patched, runtime = dit_checks.toma_patched(pack, models.build_qwen_image(seed=12, config=config))
     out = sample(patched, (128, 128), tokens=256, steps=1)
     assert out.shape == (1, 16, 1, 128, 128) and torch.isfinite(out).all()
-    assert runtime.summary()["levels"] == {"double 64x64": {"tokens": 4096, "merged_tokens": 2048, "steps": 1}}
+    assert runtime.summary()["levels"] == {"two-stream 64x64": {"tokens": 4096, "merged_tokens": 2048, "steps": 1}}
 
 
 def test_unsupported_family_is_returned_unpatched_with_a_message(pack, caplog):

@@ -103,7 +103,7 @@ def variant_table(rows: list[dict]) -> str:
 
 
 def merged_tokens(summary: dict) -> str:
-    """'double 1024->512, single 1024->512' from a runtime summary."""
+    """'two-stream 1024->512, joint 1024->512' from a runtime summary."""
     return ", ".join(f"{name.split()[0]} {v['tokens']}->{v['merged_tokens']}"
                      for name, v in summary["levels"].items()) or "none merged"
 

@@ -60,8 +60,12 @@ log = logging.getLogger("ComfyUI-ToMA")
 
 LAYOUT_KEY = "comfyui_toma_image_layout"  # transformer_options key, set and removed by the wrapper
 ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
-# Fraction of each block group never merged: the paper's 5 of Flux's 19 double and 38 single blocks.
-SKIP_FRACTION = {"double": 5 / 19, "single": 5 / 38}
+# Block groups, named by their role (the names plans, stats and the merge map use):
+TWO_STREAM = "two-stream"  # image and text in streams of their own, one joint attention (Flux's double blocks)
+JOINT = "joint"  # one sequence of text and image tokens (Flux's single blocks, NextDiT's layers)
+VIDEO = "video"  # the video tokens alone, the text through cross-attention (Wan's and LTX-Video's blocks)
+# Fraction of each role's blocks never merged: the paper's 5 of Flux's 19 double and 38 single blocks.
+SKIP_FRACTION = {TWO_STREAM: 5 / 19, JOINT: 5 / 38}
 
 
 @dataclass(frozen=True)
@@ -373,7 +377,7 @@ class DiTPatch:
     def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
         """Whether the call's per-token inputs (pe, attn_mask) cover exactly its ``txt_len`` text and
         ``layout`` tokens (another patch, or another ComfyUI, may have changed them); ``group``: the
-        block group of the call ("double", "single", "video")."""
+        block group of the call (TWO_STREAM, JOINT, VIDEO)."""
         return positions_fit(args, txt_len, layout, self.pe_axis_of(args))
 
     def double_block(self, args: dict, extras: dict) -> dict:
@@ -381,11 +385,11 @@ class DiTPatch:
         run, img, txt = extras["original_block"], args["img"], args.get("txt")
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
         txt_len = 0 if txt is None else txt.shape[1]
-        if layout is None or img.shape[1] != layout.total or not self.fits(args, "double", txt_len, layout):
+        if layout is None or img.shape[1] != layout.total or not self.fits(args, TWO_STREAM, txt_len, layout):
             return run(args)
         if self.attention_only:
             return self.attention_merged_call(args, run, txt_len, layout)
-        return self.merged_call("double", args, run, layout.lead, txt_len, layout)
+        return self.merged_call(TWO_STREAM, args, run, layout.lead, txt_len, layout)
 
     def single_block(self, args: dict, extras: dict) -> dict:
         """Joint sequence [txt, lead, image, extra] ([lead, image, extra, txt] with ``image_first``): the
@@ -393,10 +397,10 @@ class DiTPatch:
         run, x = extras["original_block"], args["img"]
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
         txt_len = -1 if layout is None else x.shape[1] - layout.total
-        if txt_len < 0 or not self.fits(args, "single", txt_len, layout):
+        if txt_len < 0 or not self.fits(args, JOINT, txt_len, layout):
             return run(args)
         start = layout.lead + (0 if self.image_first else txt_len)
-        return self.merged_call("single", args, run, start, txt_len, layout)
+        return self.merged_call(JOINT, args, run, start, txt_len, layout)
 
     def block(self, args: dict, extras: dict) -> dict:
         """A block over one sequence of video tokens [lead, video, extra] (B, L, C) (LTX-Video, Wan): the
@@ -405,9 +409,9 @@ class DiTPatch:
         run, img = extras["original_block"], args["img"]
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
         if (layout is None or not torch.is_tensor(img) or img.shape[1] != layout.total
-                or not self.fits(args, "video", 0, layout)):
+                or not self.fits(args, VIDEO, 0, layout)):
             return run(args)
-        return self.merged_call("video", args, run, layout.lead, 0, layout)
+        return self.merged_call(VIDEO, args, run, layout.lead, 0, layout)
 
     def reduced_inputs(self, call: BlockCall) -> dict:
         """The block's per-token inputs besides the tokens (``pe``, ``attn_mask``), cut to the merged
@@ -429,7 +433,7 @@ class DiTPatch:
         tokens: the plan of the grid [lead, lead + tokens) of ``args["img"]`` goes to a MergedAttention
         in the block's own copy of transformer_options, chained to any override already there."""
         img, options = args["img"], args["transformer_options"]
-        plan = self.plan_for("double", img[:, layout.lead:layout.lead + layout.tokens], layout.grid, options)
+        plan = self.plan_for(TWO_STREAM, img[:, layout.lead:layout.lead + layout.tokens], layout.grid, options)
         if plan is None:
             return run(args)
         start = layout.lead + (0 if self.image_first else txt_len)
@@ -489,5 +493,5 @@ def blocks_after(depth: int, fraction: float) -> range:
 
 def merged_blocks(depth: int, group: str) -> range:
     """Indices of the blocks of a group of ``depth`` blocks that merge, at the paper's Flux fractions
-    (``group``: "double" or "single")."""
+    (``group``: TWO_STREAM or JOINT)."""
     return blocks_after(depth, SKIP_FRACTION[group])

@@ -25,7 +25,8 @@ patch size 2.
 """
 import torch
 
-from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, sequence_index, take_rows)
+from .dit import (JOINT, LAYOUT_KEY, TWO_STREAM, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, sequence_index,
+                  take_rows)
 
 ROPE_TOKEN_AXIS = 1
 # What HiDream passes its blocks, in order: the patched forward passes them on.
@@ -49,11 +50,11 @@ class HiDreamPatch(DiTPatch):
     def double_forward(self, original):
         """A double-stream block's forward around its unpatched ``original`` (bound): image tokens merged,
         the text stream whole; it returns (image, text)."""
-        return self.block_forward(original, "double")
+        return self.block_forward(original, TWO_STREAM)
 
     def single_forward(self, original):
         """A single-stream block's forward: [image, text] with the image merged."""
-        return self.block_forward(original, "single")
+        return self.block_forward(original, JOINT)
 
     def block_forward(self, original, group: str):
         patch = self
@@ -63,18 +64,18 @@ class HiDreamPatch(DiTPatch):
             def run(args):
                 out = original(args["img"], image_tokens_masks, text_tokens, adaln_input, args["pe"],
                                transformer_options=transformer_options)
-                return {"img": out[0], "txt": out[1]} if group == "double" else {"img": out}
+                return {"img": out[0], "txt": out[1]} if group == TWO_STREAM else {"img": out}
 
             layout = (transformer_options or {}).get(LAYOUT_KEY)
             joint = image_tokens.shape[1] + (0 if text_tokens is None else text_tokens.shape[1])
             txt_len = -1 if layout is None else joint - layout.total
             args = {"img": image_tokens, "pe": rope, "transformer_options": transformer_options}
-            if (txt_len < 0 or image_tokens_masks is not None or (group == "double") != (text_tokens is not None)
+            if (txt_len < 0 or image_tokens_masks is not None or (group == TWO_STREAM) != (text_tokens is not None)
                     or not torch.is_tensor(rope) or rope.dim() <= ROPE_TOKEN_AXIS or rope.shape[ROPE_TOKEN_AXIS] != joint):
                 out = run(args)
             else:
                 out = patch.merged_call(group, args, run, 0, txt_len, layout)
-            return (out["img"], out["txt"]) if group == "double" else out["img"]
+            return (out["img"], out["txt"]) if group == TWO_STREAM else out["img"]
 
         forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one
         return forward

@@ -30,10 +30,11 @@ import math
 
 import torch
 
-from .dit import DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows, take_sequence
+from .dit import (JOINT, TWO_STREAM, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows,
+                  take_sequence)
 
 # The modulation ranges of each block group's call (double block, single block)
-MODULATION_KEYS = {"double": "modulation_dims_img", "single": "modulation_dims"}
+MODULATION_KEYS = {TWO_STREAM: "modulation_dims_img", JOINT: "modulation_dims"}
 
 
 def latent_grid(latent, patch) -> tuple[int, ...]:

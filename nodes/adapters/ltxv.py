@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, splice, take_rows,
-                  take_sequence)
+from .dit import (LAYOUT_KEY, VIDEO, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, splice,
+                  take_rows, take_sequence)
 
 VIDEO_KEYS = "comfyui_toma_ltx2_video_keys"  # the block's own transformer_options: VideoKeys for its v2a attention
 # LTX-2's video inputs besides the tokens: RoPE tables (tokens on rope_token_axis) and timesteps (tokens on dim 1)
@@ -165,7 +165,7 @@ class LTX2Patch(LTXVPatch):
         run, pair = extras["original_block"], args["img"]
         layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
         if (layout is None or not isinstance(pair, (tuple, list)) or len(pair) != 2 or not torch.is_tensor(pair[0])
-                or pair[0].shape[1] != layout.total or not self.fits(args, "video", 0, layout)):
+                or pair[0].shape[1] != layout.total or not self.fits(args, VIDEO, 0, layout)):
             return run(args)
         vx, ax = pair
         audio = []
@@ -175,7 +175,7 @@ class LTX2Patch(LTXVPatch):
             audio.append(out_ax)
             return {"img": out_vx}
 
-        out = self.merged_call("video", {**args, "img": vx}, run_video, layout.lead, 0, layout)
+        out = self.merged_call(VIDEO, {**args, "img": vx}, run_video, layout.lead, 0, layout)
         return {"img": (out["img"], audio[-1])}
 
     def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:

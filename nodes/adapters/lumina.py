@@ -30,7 +30,7 @@ attention_mask, **kwargs)``, which sees the latent (B, 16, H, W).
 
 import torch
 
-from .dit import (LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, joint_index, patched_side,
+from .dit import (JOINT, LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, joint_index, patched_side,
                   take_rows, take_sequence)
 
 PE_TOKEN_AXIS = 1
@@ -83,7 +83,7 @@ class NextDiTPatch(DiTPatch):
                 return run({"img": x, "attn_mask": x_mask, "pe": freqs_cis})["img"]
 
             args = {"img": x, "attn_mask": x_mask, "pe": freqs_cis, "transformer_options": transformer_options}
-            return patch.merged_call("joint", args, run, txt_len, txt_len, layout)["img"]
+            return patch.merged_call(JOINT, args, run, txt_len, txt_len, layout)["img"]
 
         forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one
         return forward

@@ -14,7 +14,7 @@ UNET = "unet"  # the group of every UNet level (a UNet level is told apart by it
 
 @dataclass(frozen=True)
 class Level:
-    """group: the block group ("unet"; a DiT's group, e.g. "dual-stream", "joint", "video"). grid: the
+    """group: the block group ("unet"; a DiT's group, e.g. "two-stream", "joint", "video"). grid: the
     token grid, (h, w) or (frames, h, w). downsample: a UNet level's downsampling (1, 2, 4, 8)."""
 
     group: str
