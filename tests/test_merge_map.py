@@ -53,7 +53,7 @@ def expected_column_groups(h, w, tile):
     return top * w + half
 
 
-def known_plan(pack, h=4, w=6, window_size=2):
+def known_plan(pack, h=4, w=6, tile=2):
     """A ToMA plan on a non-square grid whose groups are known: destinations = the top row of each tile."""
     core = pack.toma_core
     grid = core.TileGrid(h, w, tile)

@@ -212,7 +212,7 @@ def test_identity_merge_equals_unpatched(pack, unet, scope):
 
 def test_model_sampling_is_read_from_the_model_being_sampled(pack, unet):
     """A model sampling node after ToMA changes the noise schedule ToMA's start/end percent refer to."""
-    progress_of_sigma = pack.nodes.runtime.progress_of_sigma
+    progress_of_sigma = pack.nodes.runtime.steps.progress_of_sigma
     def model_sampling_of(m):  # the noise schedule m samples with (a model sampling node: an object patch)
         return pack.nodes.host.original_attr(m, "model_sampling")
     def patch_sampling(m):
