@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from . import comfy_host, models
+from . import comfy_host, models, run
+from .run import comfy_tome
 from .gpuclock import PROFILES, Hardware, call_cost, profile, swept
 from .oprecord import recording, to_meta
 from .tables import format_cell, format_table
@@ -131,23 +132,11 @@ def available(spec: Spec) -> bool:
 
 # -- the variants ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Variant:
-    """label; patch: base MODEL -> patched MODEL; meta_scalar: the answer to a data-dependent read on
-    the meta device (CA-ToMe's merge count), fixed and said so in the label."""
+class Variant(run.Variant):
+    """A variant as the cost model records it; meta_scalar: the answer to a data-dependent read on the
+    meta device (CA-ToMe's merge count), fixed and said so in the label."""
 
-    label: str
-    patch: Callable
     meta_scalar: int | None = None
-
-
-def comfy_tome(model, ratio: float):
-    """ComfyUI's own ToMe node (comfy_extras.nodes_tomesd; V1 ``patch`` or V3 ``execute``)."""
-    from comfy_extras.nodes_tomesd import TomePatchModel
-
-    if hasattr(TomePatchModel, "define_schema"):
-        out = TomePatchModel.execute(model=model, ratio=ratio)
-        return out.args[0] if hasattr(out, "args") else out[0]
-    return TomePatchModel().patch(model, ratio)[0]
 
 
 def variants_for(name: str, pack) -> list[Variant]:
@@ -156,30 +145,30 @@ def variants_for(name: str, pack) -> list[Variant]:
     tn = pack.nodes.toma_nodes
     basic, advanced = tn.ToMAPatchModel(), tn.ToMAPatchModelAdvanced()
     w, reuse = 4, tn.DEFAULT_REUSE  # every row but the node default's names window 4
-    out = [Variant("unpatched", lambda m: m),
+    out = [Variant("unpatched", patch=lambda m: m),
            Variant(f"ToMA default (r={tn.DEFAULT_RATIO:g})",
-                   lambda m: basic.patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, reuse)[0])]
+                   patch=lambda m: basic.patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, reuse)[0])]
     if name in UNET_MODELS:
         for scope, levels, r in (("attention", "auto", 0.75), ("block", "auto", 0.5), ("block", "auto+next", 0.5),
                                  ("block", "auto+next", 0.75)):
             out.append(Variant(f"ToMA {scope} {levels} r={r:g}",
-                               lambda m, s=scope, lv=levels, r=r: advanced.patch(m, r, w, reuse, scope=s, levels=lv)[0]))
+                               patch=lambda m, s=scope, lv=levels, r=r: advanced.patch(m, r, w, reuse, scope=s, levels=lv)[0]))
         # the baselines on the level ToMA's "auto" merges: 1/1 on SD1.5, 1/2 on SDXL (max_downsample 2)
         down = 1 if name == "sd15" else 2
         out.append(Variant(f"ToMeSD r=0.5 (max_downsample {down})",
-                           lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, down)[0]))
+                           patch=lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, down)[0]))
         tokens = UNET_LEVEL_TOKENS
         count = tokens // 2
         out.append(Variant(f"CA-ToMe t=0.7 (count fixed at {count} of {tokens} tokens)",
-                           lambda m: tn.CAToMePatchModel().patch(m, 0.7, max_downsample=down)[0], meta_scalar=count))
+                           patch=lambda m: tn.CAToMePatchModel().patch(m, 0.7, max_downsample=down)[0], meta_scalar=count))
         for r in (0.5, 0.75):
-            out.append(Variant(f"ComfyUI ToMe r={r:g}", lambda m, r=r: comfy_tome(m, r)))
+            out.append(Variant(f"ComfyUI ToMe r={r:g}", patch=lambda m, r=r: comfy_tome(m, r)))
         return out
     for r in (0.25, 0.75):
-        out.append(Variant(f"ToMA r={r:g}", lambda m, r=r: basic.patch(m, r, w, reuse)[0]))
+        out.append(Variant(f"ToMA r={r:g}", patch=lambda m, r=r: basic.patch(m, r, w, reuse)[0]))
     if name in ("flux", "hunyuan_video"):
-        out.append(Variant("ToMA scope attention r=0.5", lambda m: advanced.patch(m, 0.5, w, reuse, scope="attention")[0]))
-    out.append(Variant("ToMA r=0.5 merge_every 3", lambda m: advanced.patch(m, 0.5, w, reuse, merge_every=3)[0]))
+        out.append(Variant("ToMA scope attention r=0.5", patch=lambda m: advanced.patch(m, 0.5, w, reuse, scope="attention")[0]))
+    out.append(Variant("ToMA r=0.5 merge_every 3", patch=lambda m: advanced.patch(m, 0.5, w, reuse, merge_every=3)[0]))
     return out
 
 

@@ -31,6 +31,37 @@ import torch
 from .metrics import speedups
 
 
+# -- variants ------------------------------------------------------------------------------------------
+def unpatched(model):
+    return model
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One model of a benchmark's table: ``patch`` turns the base MODEL into it (through the nodes, as a
+    user would). ``family`` is the method (a plot's line), ``setting`` what its knob is set to ("r=0.5");
+    a row that is no point of a sweep has its whole label as ``family``."""
+
+    family: str
+    setting: str = ""
+    patch: Callable = unpatched
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} {self.setting}".strip()
+
+
+def comfy_tome(model, ratio: float):
+    """ComfyUI's own ToMe node, TomePatchModel (comfy_extras.nodes_tomesd; V1 ``patch`` in the March-2024
+    tree, V3 ``execute`` returning a NodeOutput in current ComfyUI)."""
+    from comfy_extras.nodes_tomesd import TomePatchModel
+
+    if hasattr(TomePatchModel, "define_schema"):
+        out = TomePatchModel.execute(model=model, ratio=ratio)
+        return out.args[0] if hasattr(out, "args") else out[0]
+    return TomePatchModel().patch(model, ratio)[0]
+
+
 # -- command line --------------------------------------------------------------------------------------
 def common_arguments(ap, *, devices=("auto", "cpu", "cuda"), device_default="auto", device_help: str = None,
                      repeats_default=3, repeats_help: str = None, threads_default=None, threads_help: str = None):
