@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import models
+from . import models, sampling
 
 REPO = Path(__file__).resolve().parent.parent
 PROXY_DIR = Path(__file__).resolve().parent / "proxies"
@@ -322,15 +322,12 @@ def sample(model, seed: int = 0, batch: int = 16, steps: int = 20, sampler: str 
     """LATENT samples (batch, C, side, side), for wan clips (batch, C, frames, side, side), drawn from
     seeded noise by ComfyUI's sampler (cfg 1: the proxies are unconditional). ``scheduler``: default
     normal for sd15, simple for flux and wan."""
-    import comfy.sample
-
     spec = spec_of(arch_of(model))
     frames = (spec.frames,) if spec.frames else ()
-    noise = torch.randn(batch, spec.channels, *frames, side, side, generator=torch.Generator().manual_seed(seed))
-    positive, negative = conditioning(model, batch)
+    latent = torch.zeros(batch, spec.channels, *frames, side, side)
     with torch.no_grad():
-        return comfy.sample.sample(model, noise, steps, 1.0, sampler, scheduler or spec.scheduler, positive,
-                                   negative, torch.zeros_like(noise), denoise=1.0, seed=seed, disable_pbar=True)
+        return sampling.sample(model, conditioning(model, batch), latent, steps=steps, sampler=sampler,
+                               scheduler=scheduler or spec.scheduler, seed=seed)
 
 
 if __name__ == "__main__":  # the command line lives with the training
