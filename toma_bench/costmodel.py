@@ -11,7 +11,7 @@ so steps that select destinations and steps that reuse them are weighed as the n
 the ops are then priced by a hardware profile (toma_bench.gpuclock). A run of one step first fills the
 pack's per-process host caches (plan geometry), which a real run pays once.
 
-This is a model until a GPU run checks it: the GPU kit (tests/device, toma_bench.gpu) measures the
+This is a model until a GPU run checks it: the GPU kit (toma_bench/gpu_kit, toma_bench.gpu) measures the
 same variants and prints predicted against measured.
 """
 import argparse

@@ -4,7 +4,7 @@ real-size SDXL and FLUX.1-dev architectures, in one command on an offline CUDA m
     python -m toma_bench.gpu [--budget-s 420] [--out DIR] [--repeats 5] [--models sdxl,flux] [--hardware h200]
                              [--dry-run | --predict-only]
 
-Run it through the kit (see docs/benchmarks.md): ``bash tests/device/prepare.sh`` here, then
+Run it through the kit (see docs/benchmarks.md): ``bash toma_bench/gpu_kit/prepare.sh`` here, then
 ``bash .device/run.sh`` on the GPU machine. Results go to ``DIR`` (default ``$OUT``, else
 ``./gpu-results``) as ``gpu_bench.md`` and ``gpu_bench.json``, rewritten after every measured run, so
 what was measured survives a timeout.

@@ -49,7 +49,7 @@ fi
 
 # -- wheels ----------------------------------------------------------------------------------------------
 if ! cmp -s "$here/kit-requirements.txt" "$kit/wheels/.requirements" 2>/dev/null; then
-  echo "[device] downloading CPython 3.12 x86-64 wheels of tests/device/kit-requirements.txt"
+  echo "[device] downloading CPython 3.12 x86-64 wheels of toma_bench/gpu_kit/kit-requirements.txt"
   rm -rf "$kit/wheels" && mkdir -p "$kit/wheels"
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
