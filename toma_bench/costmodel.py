@@ -464,8 +464,8 @@ def main(argv=None) -> None:
     root = comfy_host.import_core("cpu", require_flux=False)
     pack = comfy_host.load_pack()
     report = {"hardware": [dataclasses.asdict(p) for p in args.profiles], "how": args.how, "models": {}}
-    print(f"# python -m toma_bench.costmodel {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"# {args.how}; torch {torch.__version__}; ComfyUI tree {root.name}")
+    print(run.header("python -m toma_bench.costmodel", argv, "priced, not run: ops recorded on the meta device",
+                     f"{args.how}; ComfyUI tree {root.name}"))
     for hw in args.profiles:
         print(f"# profile {hw.name}: {hw.source or 'from a file'}")
     for name in args.models:
