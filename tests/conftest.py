@@ -1,7 +1,8 @@
 """Shared pytest setup.
 
 The repo root goes on sys.path so engine tests can ``import toma_core`` without ComfyUI, and every test
-can import the harness ``toma_bench``. Nothing here imports ComfyUI: tests that need it ask for the
+can import the harness ``toma_bench``; this folder too, so tests import the helpers only tests use
+(``dit_checks``) by name, whatever pytest's import mode. Nothing here imports ComfyUI: tests that need it ask for the
 ``comfy`` fixture (or call comfy_host directly).
 """
 import os
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for folder in (REPO, REPO / "tests"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 from toma_bench import comfy_host  # after the sys.path lines above; imports nothing from ComfyUI
 

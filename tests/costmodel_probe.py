@@ -36,17 +36,17 @@ def main():
     out = {}
     sdxl = spec("sdxl", "SDXL", SDXL_TINY, (1, 4, 16, 16), lambda: models.conditioning("sdxl", 1, 77, 0, 128, 128), True)
     base, tome = costmodel.record_model(sdxl, pack, 5, [
-        costmodel.Variant("unpatched", lambda m: m),
-        costmodel.Variant("ComfyUI ToMe r=0.5", lambda m: costmodel.comfy_tome(m, 0.5))], progress=lambda _: None)
+        costmodel.Variant("unpatched", patch=lambda m: m),
+        costmodel.Variant("ComfyUI ToMe r=0.5", patch=lambda m: costmodel.comfy_tome(m, 0.5))], progress=lambda _: None)
     out["sdxl_identical"] = ops_of(base) == ops_of(tome)
     out["sdxl_ops"] = sum(map(len, base.calls))
 
     sd15 = spec("sd15", "SD15", SD15_TINY, (1, 4, 16, 16), lambda: models.conditioning("sd15", 1, 77, 0), True)
     advanced = tn.ToMAPatchModelAdvanced()
-    variants = [costmodel.Variant("unpatched", lambda m: m),
-                costmodel.Variant("ToMA r=0.5", lambda m: advanced.patch(m, 0.5, 4, 5, scope="attention")[0]),
-                costmodel.Variant("CA-ToMe, no fixed count", lambda m: tn.CAToMePatchModel().patch(m, 0.7)[0]),
-                costmodel.Variant("CA-ToMe, count fixed", lambda m: tn.CAToMePatchModel().patch(m, 0.7)[0],
+    variants = [costmodel.Variant("unpatched", patch=lambda m: m),
+                costmodel.Variant("ToMA r=0.5", patch=lambda m: advanced.patch(m, 0.5, 4, 5, scope="attention")[0]),
+                costmodel.Variant("CA-ToMe, no fixed count", patch=lambda m: tn.CAToMePatchModel().patch(m, 0.7)[0]),
+                costmodel.Variant("CA-ToMe, count fixed", patch=lambda m: tn.CAToMePatchModel().patch(m, 0.7)[0],
                                   meta_scalar=64)]
     recorded = costmodel.record_model(sd15, pack, 5, variants, progress=lambda _: None)
     rows = costmodel.price(recorded, costmodel.PROFILES["h200"], "pipelined", sweep=True)
@@ -66,8 +66,8 @@ def main():
         flux = spec("flux", "Flux", FLUX_TINY, (1, 16, 16, 16),
                     lambda: models.dit_conditioning("flux", FLUX_TINY, 1, 16, 0), False)
         recorded = costmodel.record_model(flux, pack, 5, [
-            costmodel.Variant("unpatched", lambda m: m),
-            costmodel.Variant("ToMA r=0.5", lambda m: tn.ToMAPatchModel().patch(m, 0.5, 4, 5)[0])],
+            costmodel.Variant("unpatched", patch=lambda m: m),
+            costmodel.Variant("ToMA r=0.5", patch=lambda m: tn.ToMAPatchModel().patch(m, 0.5, 4, 5)[0])],
             progress=lambda _: None)
         out["flux"] = {r.label: {"attention_keys": sorted({op.key_len for call in r.calls for op in call
                                                            if op.cls.startswith("attention")}),

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from toma_bench import comfy_host, curves, proxy
+from toma_bench import comfy_host, curves, proxy, proxy_training
 from toma_bench.metrics import ssim
 
 
@@ -44,7 +44,7 @@ def test_video_methods_are_one_and_two_frame_windows_at_every_ratio():
 
 
 def test_unet_methods_sweep_every_baseline_knob():
-    families = [v.family for v in curves.unet_methods(FakeToMANodes, comfy_nodes=None)]
+    families = [v.family for v in curves.unet_methods(FakeToMANodes)]
     assert families.count("ToMeSD") == families.count("ComfyUI ToMe") == len(curves.RATIOS)
     assert families.count("CA-ToMe") == len(curves.THRESHOLDS)
     assert families.count("ToMA attention") == families.count("ToMA block") == len(curves.RATIOS)
@@ -53,7 +53,7 @@ def test_unet_methods_sweep_every_baseline_knob():
 def test_sdxl_sets_put_the_baselines_at_half_resolution_and_leave_out_comfyui_tome():
     """SDXL has no attention at 1/1: ToMeSD and CA-ToMe merge at 1/2 (max_downsample 2), where ToMA's levels
     "auto" merges; ComfyUI's ToMe, fixed at 1/1, would merge nothing."""
-    for variants in (curves.unet_methods(FakeToMANodes, None, sdxl=True), curves.sdxl_placements(FakeToMANodes)):
+    for variants in (curves.unet_methods(FakeToMANodes, sdxl=True), curves.sdxl_placements(FakeToMANodes)):
         families = [v.family for v in variants]
         assert "ComfyUI ToMe" not in families and families.count("ToMeSD") >= 2 and "CA-ToMe" in families
     seen = {}
@@ -104,7 +104,7 @@ def test_cli_defaults_follow_the_proxy():
 
 def test_a_run_on_a_tiny_proxy_prints_every_variant_and_draws(comfy, tmp_path):
     model = proxy.build("sd15", proxy.SD15_TINY, seed=0)  # random weights: merging changes pixels
-    proxy.save(model, tmp_path / "tiny.safetensors", proxy.SD15_TINY, {"size": "tiny", "steps": 0})
+    proxy_training.save(model, tmp_path / "tiny.safetensors", proxy.SD15_TINY, {"size": "tiny", "steps": 0})
     env = dict(os.environ, COMFYUI_PATH=str(comfy), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "toma_bench.curves", "--set", "toma", "--proxy",
                            str(tmp_path / "tiny.safetensors"), "--side", "8", "--batch", "1", "--steps", "3",

@@ -1,4 +1,4 @@
-"""The GPU benchmark kit cannot rot: tests/device/prepare.sh builds .device/, and `bash .device/run.sh
+"""The GPU benchmark kit cannot rot: toma_bench/gpu_kit/prepare.sh builds .device/, and `bash .device/run.sh
 --dry-run` runs python -m toma_bench.gpu (the cost model's predictions first, then the measurements and
 the profiler pass) on the CPU at tiny sizes in a fresh virtual environment (torch and
 the GPU machine's packages from the package cache, everything else only from .device/ with --no-index).
@@ -28,7 +28,7 @@ def run(command: list[str], env: dict, timeout: int) -> str:
 
 def test_prepared_kit_runs_the_benchmark_dry_on_the_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PATH", "PYTHONPATH")}
-    prepared = run(["bash", "tests/device/prepare.sh"], env, 600)
+    prepared = run(["bash", "toma_bench/gpu_kit/prepare.sh"], env, 600)
     kit = REPO / ".device"
     size = sum(f.stat().st_size for f in kit.rglob("*") if f.is_file())
     assert size <= 48 * 2**20, f".device/ holds {size / 2**20:.1f} MiB"

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toma_bench import comfy_host, dit_checks, models, sampling
-from toma_bench.dit_checks import toma_patched
+import dit_checks
+from toma_bench import comfy_host, models, sampling
+from dit_checks import toma_patched
 from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy,

@@ -8,8 +8,9 @@ latent of a 1024x1024 image with a tiny-width model for one step.
 import pytest
 import torch
 
-from toma_bench import comfy_host, dit_checks, models, sampling
-from toma_bench.dit_checks import toma_patched
+import dit_checks
+from toma_bench import comfy_host, models, sampling
+from dit_checks import toma_patched
 
 pytestmark = [pytest.mark.comfy,
               pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]

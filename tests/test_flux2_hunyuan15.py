@@ -11,7 +11,8 @@ import types
 import pytest
 import torch
 
-from toma_bench import comfy_host, dit_checks, models, sampling
+import dit_checks
+from toma_bench import comfy_host, models, sampling
 from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]

@@ -10,8 +10,9 @@ import logging
 import pytest
 import torch
 
-from toma_bench import comfy_host, dit_checks, models
-from toma_bench.dit_checks import toma_patched
+import dit_checks
+from toma_bench import comfy_host, models
+from dit_checks import toma_patched
 from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy,

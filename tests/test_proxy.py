@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from toma_bench import comfy_host, proxy
+from toma_bench import comfy_host, proxy, proxy_training
 from toma_bench.comfy_host import has_flux
 
 REPO = comfy_host.REPO
@@ -44,8 +44,8 @@ needs_wan = pytest.mark.skipif(not host_has_wan(), reason="this ComfyUI has no c
 
 
 def heldout_subset(arch: str):
-    x0, noise, fractions = proxy.heldout_set(arch)
-    n = HELDOUT_CROPS_IN_TESTS * len(proxy.HELDOUT_LEVELS)
+    x0, noise, fractions = proxy_training.heldout_set(arch)
+    n = HELDOUT_CROPS_IN_TESTS * len(proxy_training.HELDOUT_LEVELS)
     return x0[:n], noise[:n], fractions[:n]
 
 
@@ -69,29 +69,29 @@ def test_codec_is_orthogonal_and_invertible(block):
 
 
 def test_crops_are_seeded_and_come_from_the_photographs():
-    images = proxy.source_images(proxy.TRAIN_IMAGES)
-    a = proxy.random_crops(images, 4, 64, torch.Generator().manual_seed(5))
-    b = proxy.random_crops(images, 4, 64, torch.Generator().manual_seed(5))
-    c = proxy.random_crops(images, 4, 64, torch.Generator().manual_seed(6))
+    images = proxy_training.source_images(proxy_training.TRAIN_IMAGES)
+    a = proxy_training.random_crops(images, 4, 64, torch.Generator().manual_seed(5))
+    b = proxy_training.random_crops(images, 4, 64, torch.Generator().manual_seed(5))
+    c = proxy_training.random_crops(images, 4, 64, torch.Generator().manual_seed(6))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.shape == (4, 1, 64, 64) and a.min() >= -1 and a.max() <= 1
     assert float(a.std(dim=(1, 2, 3)).min()) > 0.01  # pictures, not blank crops
-    assert not set(proxy.TRAIN_IMAGES) & set(proxy.HELDOUT_IMAGES)
+    assert not set(proxy_training.TRAIN_IMAGES) & set(proxy_training.HELDOUT_IMAGES)
 
 
 def test_clips_are_seeded_and_pan_by_whole_pixels():
-    images = proxy.source_images(proxy.TRAIN_IMAGES)
-    a = proxy.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(5))
-    b = proxy.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(5))
-    c = proxy.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(6))
+    images = proxy_training.source_images(proxy_training.TRAIN_IMAGES)
+    a = proxy_training.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(5))
+    b = proxy_training.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(5))
+    c = proxy_training.random_clips(images, 3, 4, 32, torch.Generator().manual_seed(6))
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.shape == (3, 1, 4, 32, 32) and a.min() >= -1 and a.max() <= 1
     for clip in a[:, 0]:
         for before, after in zip(clip[:-1], clip[1:]):
             assert not torch.equal(before, after)
             # some shift of at most MAX_PAN pixels, not none, maps one frame onto the next where they overlap
-            shifts = [(dy, dx) for dy in range(-proxy.MAX_PAN, proxy.MAX_PAN + 1)
-                      for dx in range(-proxy.MAX_PAN, proxy.MAX_PAN + 1) if (dy, dx) != (0, 0)
+            shifts = [(dy, dx) for dy in range(-proxy_training.MAX_PAN, proxy_training.MAX_PAN + 1)
+                      for dx in range(-proxy_training.MAX_PAN, proxy_training.MAX_PAN + 1) if (dy, dx) != (0, 0)
                       and torch.equal(after[max(0, -dy):32 - max(0, dy), max(0, -dx):32 - max(0, dx)],
                                       before[max(0, dy):32 - max(0, -dy), max(0, dx):32 - max(0, -dx)])]
             assert shifts, "consecutive frames are not one shifted picture"
@@ -114,7 +114,7 @@ def test_video_codec_encodes_each_frame_alone():
 ])
 def test_cli_errors_name_the_bad_argument(argv, bad, capsys):
     with pytest.raises(SystemExit) as exc:
-        proxy.main(argv)
+        proxy_training.main(argv)
     assert exc.value.code == 2
     assert bad in capsys.readouterr().err
 
@@ -153,14 +153,14 @@ def test_flux_trains_through_comfyui_in_place_blocks(comfy):
     leave the model as it was."""
     from comfy.ldm.flux.layers import SingleStreamBlock
 
-    model, history = proxy.train("flux", proxy.FLUX_TINY, steps=2, batch=2, lr=1e-3, seed=1, log_every=2,
+    model, history = proxy_training.train("flux", proxy.FLUX_TINY, steps=2, batch=2, lr=1e-3, seed=1, log_every=2,
                                  progress=lambda line: None)
     assert len(history) == 1 and math.isfinite(history[0]["train_loss"])
     start = proxy.build("flux", proxy.FLUX_TINY, seed=1, zero_outputs=True).model.diffusion_model.state_dict()
     trained = model.model.diffusion_model.state_dict()
     assert any(not torch.equal(trained[k], start[k]) for k in start)
     block = next(m for m in model.model.diffusion_model.modules() if isinstance(m, SingleStreamBlock))
-    assert not isinstance(block.pre_norm, proxy.CopyInput)
+    assert not isinstance(block.pre_norm, proxy_training.CopyInput)
 
 
 @needs_wan
@@ -216,20 +216,20 @@ def test_sdxl_layout_trains_and_has_no_attention_at_full_resolution(comfy, tmp_p
 def test_fine_tuning_starts_from_the_shipped_weights(comfy):
     """flux32 is the shipped Flux proxy trained on: with a vanishing learning rate one step leaves it as it was,
     and its held-out set has 32x32-token pictures."""
-    model, history = proxy.train("flux32", proxy.FLUX_PROXY, steps=1, batch=1, lr=1e-12, log_every=1,
+    model, history = proxy_training.train("flux32", proxy.FLUX_PROXY, steps=1, batch=1, lr=1e-12, log_every=1,
                                  progress=lambda line: None)
     shipped = proxy.load_flux().model.diffusion_model.state_dict()
     tuned = model.model.diffusion_model.state_dict()
     assert all(torch.allclose(tuned[k], shipped[k]) for k in shipped)
-    assert proxy.heldout_set("flux32")[0].shape[-2:] == (64, 64) and proxy.heldout_set("flux")[0].shape[-2:] == (32, 32)
+    assert proxy_training.heldout_set("flux32")[0].shape[-2:] == (64, 64) and proxy_training.heldout_set("flux")[0].shape[-2:] == (32, 32)
     assert math.isfinite(history[0]["heldout_loss"])
 
 
 def check_shipped(model, arch: str, max_ratio: float):
     heldout = heldout_subset(arch)
     config = proxy.read_metadata(proxy.PROXY_DIR / proxy.SPECS[arch].file)["unet_config"]
-    trained = proxy.heldout_loss(model, heldout=heldout)
-    random_init = proxy.heldout_loss(proxy.build(arch, config, seed=0), heldout=heldout)
+    trained = proxy_training.heldout_loss(model, heldout=heldout)
+    random_init = proxy_training.heldout_loss(proxy.build(arch, config, seed=0), heldout=heldout)
     assert math.isfinite(trained)
     assert trained < max_ratio * random_init, f"held-out loss {trained:.4f} vs random init {random_init:.4f}"
 

@@ -8,7 +8,8 @@ are in tests/test_family_conformance.py. Latents are Wan-VAE latents (B, 16, 1, 
 import pytest
 import torch
 
-from toma_bench import comfy_host, dit_checks, models
+import dit_checks
+from toma_bench import comfy_host, models
 from toma_bench.metrics import relative_l2
 
 CURRENT_ONLY = ("Qwen-Image (+Edit) exists only in current ComfyUI (set COMFYUI_PATH, e.g. to the "

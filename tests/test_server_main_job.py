@@ -174,10 +174,10 @@ def test_missing_proxy_names_the_file_and_the_training_command(tmp_path, monkeyp
 def write_random_proxy(path):
     """A tiny SD1.x-layout proxy file with seeded random weights. A few training steps would leave its
     attention outputs near their zero start, so merging would change no pixel; random ones do."""
-    from toma_bench import proxy
+    from toma_bench import proxy, proxy_training
 
     model = proxy.build("sd15", proxy.SD15_TINY, seed=0)
-    proxy.save(model, path, proxy.SD15_TINY, {"size": "tiny", "steps": 0})
+    proxy_training.save(model, path, proxy.SD15_TINY, {"size": "tiny", "steps": 0})
 
 
 @pytest.mark.server

@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from toma_bench import comfy_host, dit_checks, models, sampling
+import dit_checks
+from toma_bench import comfy_host, models, sampling
 from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy,

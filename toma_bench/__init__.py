@@ -1,5 +1,5 @@
 """The development harness: benchmarks, the main job, and what they share with the tests (a ComfyUI host,
-a headless server, random-weight models, sampling, metrics, tables, the DiT families' shared checks).
+a headless server, random-weight models, sampling, metrics, tables, the benchmarks' runner).
 
 Imports point one way: tests -> toma_bench -> the pack. The harness is the top-level package
 ``toma_bench`` (the repo root on ``sys.path``: conftest.py, or ``python -m`` from the root); it sees the

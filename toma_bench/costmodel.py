@@ -11,7 +11,7 @@ so steps that select destinations and steps that reuse them are weighed as the n
 the ops are then priced by a hardware profile (toma_bench.gpuclock). A run of one step first fills the
 pack's per-process host caches (plan geometry), which a real run pays once.
 
-This is a model until a GPU run checks it: the GPU kit (tests/device, toma_bench.gpu) measures the
+This is a model until a GPU run checks it: the GPU kit (toma_bench/gpu_kit, toma_bench.gpu) measures the
 same variants and prints predicted against measured.
 """
 import argparse
@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from . import comfy_host, models
+from . import comfy_host, models, run
+from .run import comfy_tome
 from .gpuclock import PROFILES, Hardware, call_cost, profile, swept
 from .oprecord import recording, to_meta
 from .tables import format_cell, format_table
@@ -131,23 +132,11 @@ def available(spec: Spec) -> bool:
 
 # -- the variants ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Variant:
-    """label; patch: base MODEL -> patched MODEL; meta_scalar: the answer to a data-dependent read on
-    the meta device (CA-ToMe's merge count), fixed and said so in the label."""
+class Variant(run.Variant):
+    """A variant as the cost model records it; meta_scalar: the answer to a data-dependent read on the
+    meta device (CA-ToMe's merge count), fixed and said so in the label."""
 
-    label: str
-    patch: Callable
     meta_scalar: int | None = None
-
-
-def comfy_tome(model, ratio: float):
-    """ComfyUI's own ToMe node (comfy_extras.nodes_tomesd; V1 ``patch`` or V3 ``execute``)."""
-    from comfy_extras.nodes_tomesd import TomePatchModel
-
-    if hasattr(TomePatchModel, "define_schema"):
-        out = TomePatchModel.execute(model=model, ratio=ratio)
-        return out.args[0] if hasattr(out, "args") else out[0]
-    return TomePatchModel().patch(model, ratio)[0]
 
 
 def variants_for(name: str, pack) -> list[Variant]:
@@ -156,30 +145,30 @@ def variants_for(name: str, pack) -> list[Variant]:
     tn = pack.nodes.toma_nodes
     basic, advanced = tn.ToMAPatchModel(), tn.ToMAPatchModelAdvanced()
     w, reuse = 4, tn.DEFAULT_REUSE  # every row but the node default's names window 4
-    out = [Variant("unpatched", lambda m: m),
+    out = [Variant("unpatched", patch=lambda m: m),
            Variant(f"ToMA default (r={tn.DEFAULT_RATIO:g})",
-                   lambda m: basic.patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, reuse)[0])]
+                   patch=lambda m: basic.patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, reuse)[0])]
     if name in UNET_MODELS:
         for scope, levels, r in (("attention", "auto", 0.75), ("block", "auto", 0.5), ("block", "auto+next", 0.5),
                                  ("block", "auto+next", 0.75)):
             out.append(Variant(f"ToMA {scope} {levels} r={r:g}",
-                               lambda m, s=scope, lv=levels, r=r: advanced.patch(m, r, w, reuse, scope=s, levels=lv)[0]))
+                               patch=lambda m, s=scope, lv=levels, r=r: advanced.patch(m, r, w, reuse, scope=s, levels=lv)[0]))
         # the baselines on the level ToMA's "auto" merges: 1/1 on SD1.5, 1/2 on SDXL (max_downsample 2)
         down = 1 if name == "sd15" else 2
         out.append(Variant(f"ToMeSD r=0.5 (max_downsample {down})",
-                           lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, down)[0]))
+                           patch=lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, down)[0]))
         tokens = UNET_LEVEL_TOKENS
         count = tokens // 2
         out.append(Variant(f"CA-ToMe t=0.7 (count fixed at {count} of {tokens} tokens)",
-                           lambda m: tn.CAToMePatchModel().patch(m, 0.7, max_downsample=down)[0], meta_scalar=count))
+                           patch=lambda m: tn.CAToMePatchModel().patch(m, 0.7, max_downsample=down)[0], meta_scalar=count))
         for r in (0.5, 0.75):
-            out.append(Variant(f"ComfyUI ToMe r={r:g}", lambda m, r=r: comfy_tome(m, r)))
+            out.append(Variant(f"ComfyUI ToMe r={r:g}", patch=lambda m, r=r: comfy_tome(m, r)))
         return out
     for r in (0.25, 0.75):
-        out.append(Variant(f"ToMA r={r:g}", lambda m, r=r: basic.patch(m, r, w, reuse)[0]))
+        out.append(Variant(f"ToMA r={r:g}", patch=lambda m, r=r: basic.patch(m, r, w, reuse)[0]))
     if name in ("flux", "hunyuan_video"):
-        out.append(Variant("ToMA scope attention r=0.5", lambda m: advanced.patch(m, 0.5, w, reuse, scope="attention")[0]))
-    out.append(Variant("ToMA r=0.5 merge_every 3", lambda m: advanced.patch(m, 0.5, w, reuse, merge_every=3)[0]))
+        out.append(Variant("ToMA scope attention r=0.5", patch=lambda m: advanced.patch(m, 0.5, w, reuse, scope="attention")[0]))
+    out.append(Variant("ToMA r=0.5 merge_every 3", patch=lambda m: advanced.patch(m, 0.5, w, reuse, merge_every=3)[0]))
     return out
 
 
@@ -317,8 +306,8 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
             runtime.stages.listeners.clear()
     merged = []
     for runtime in runtimes:
-        for level, v in runtime.summary()["levels"].items():
-            merged.append((level, v["tokens"], v["merged_tokens"]))
+        for v in runtime.summary()["levels"].values():
+            merged.append((run.level_text(v), v["tokens"], v["merged_tokens"]))
     return Recorded(variant.label, rec.calls, steps, merged, bool(runtimes), failed.messages)
 
 
@@ -351,7 +340,7 @@ def merged_text(recorded: Recorded) -> tuple[str, str]:
     """(what merged, a flag when a variant patched by the pack merged nothing or lost plans)."""
     if not recorded.patched_by_pack:
         return "-", ""
-    text = "; ".join(f"{level.split(' (')[0]} {tokens}->{merged}" for level, tokens, merged in recorded.merged)
+    text = "; ".join(f"{level} {tokens}->{merged}" for level, tokens, merged in recorded.merged)
     flag = ""
     if not any(merged < tokens for _, tokens, merged in recorded.merged):
         flag = "MERGED NOTHING"
@@ -475,8 +464,8 @@ def main(argv=None) -> None:
     root = comfy_host.import_core("cpu", require_flux=False)
     pack = comfy_host.load_pack()
     report = {"hardware": [dataclasses.asdict(p) for p in args.profiles], "how": args.how, "models": {}}
-    print(f"# python -m toma_bench.costmodel {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"# {args.how}; torch {torch.__version__}; ComfyUI tree {root.name}")
+    print(run.header("python -m toma_bench.costmodel", argv, "priced, not run: ops recorded on the meta device",
+                     f"{args.how}; ComfyUI tree {root.name}"))
     for hw in args.profiles:
         print(f"# profile {hw.name}: {hw.source or 'from a file'}")
     for name in args.models:

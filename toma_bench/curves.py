@@ -38,23 +38,18 @@ Output: a table, a plot (``<out>/curves_<arch>_<set>_<side>.png``: CPU-time spee
 line per method) and a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``).
 """
 import argparse
-import datetime
 import logging
 import math
-import os
-import platform
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import comfy_host, costmodel, proxy, sampling
+from . import comfy_host, costmodel, proxy, run, sampling
 from .gpuclock import profile
-from .metrics import psnr, relative_l2, speedups, ssim
+from .metrics import psnr, relative_l2, ssim
 from .tables import format_cell, format_table
-from .unet import Variant, builtin_tome
+from .run import Variant, comfy_tome
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs"
@@ -93,7 +88,7 @@ def catome(tn, threshold: float, max_downsample: int) -> Variant:
                    lambda m: tn.CAToMePatchModel().patch(m, threshold, max_downsample=max_downsample)[0])
 
 
-def unet_methods(tn, comfy_nodes, sdxl: bool = False) -> list[Variant]:
+def unet_methods(tn, sdxl: bool = False) -> list[Variant]:
     """Each method's knob swept; the ToMe baselines at their best faithful setup: the highest-resolution
     level with attention (max_downsample 1 on SD1.x, 2 on the SDXL layout: where ToMA's levels "auto"
     merges too), one generator per run. ComfyUI's ToMe merges only at 1/1 (its max_downsample is fixed
@@ -105,7 +100,7 @@ def unet_methods(tn, comfy_nodes, sdxl: bool = False) -> list[Variant]:
     out += [tomesd(tn, r, down) for r in RATIOS]
     out += [catome(tn, t, down) for t in THRESHOLDS]
     if not sdxl:
-        out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: builtin_tome(comfy_nodes, m, r)) for r in RATIOS]
+        out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: comfy_tome(m, r)) for r in RATIOS]
     return out
 
 
@@ -125,7 +120,7 @@ def toma_settings(tn, arch: str) -> list[Variant]:
     return out
 
 
-def placements(tn, comfy_nodes) -> list[Variant]:
+def placements(tn) -> list[Variant]:
     """ToMA's placements and fidelity fixes (per-block plans, proportional attention, window 8, the first
     20% of the schedule unmerged) against today's placement and the baselines that merge at 1/1."""
     out = [Variant("unpatched", "", lambda m: m)]
@@ -151,7 +146,7 @@ def placements(tn, comfy_nodes) -> list[Variant]:
     out += [toma(tn, "ToMA queries, per block, window 8", f"r={r:g}", r, scope="queries", window_size=8,
                  plan_per_block=True) for r in (0.5, 0.75)]
     out += [Variant("ToMeSD", f"r={r:g}", lambda m, r=r: tn.ToMeSDPatchModel().patch(m, r)[0]) for r in (0.5, 0.75)]
-    out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: builtin_tome(comfy_nodes, m, r)) for r in (0.5, 0.75)]
+    out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: comfy_tome(m, r)) for r in (0.5, 0.75)]
     return out
 
 
@@ -251,19 +246,9 @@ class Run:
 
 
 def sample_once(model, args) -> Run:
-    wall, cpu = time.perf_counter(), time.process_time()
     with sampling.seeded_global_rngs(SEED):  # ComfyUI's TomePatchModel draws from the global RNGs
-        latent = proxy.sample(model, SEED, args.batch, args.steps, side=args.side)
-    return Run(latent.float(), time.perf_counter() - wall, time.process_time() - cpu)
-
-
-def removed_fraction(pack, model) -> float | None:
-    """Image tokens removed at the merged levels by the last plan of the run, averaged over levels."""
-    try:
-        levels = pack.nodes.runtime.runtime_of(model).report().levels
-    except ValueError:
-        return None
-    return statistics.mean(1 - s.merged_tokens / s.tokens for s in levels.values()) if levels else 0.0
+        latent, wall, cpu = run.timed(lambda: proxy.sample(model, SEED, args.batch, args.steps, side=args.side))
+    return Run(latent.float(), wall, cpu)
 
 
 @dataclass
@@ -289,27 +274,23 @@ def measure(base, variants: list[Variant], args, pack, progress=print):
     for v, m in zip(variants, patched):
         first.append(sample_once(m, args))
         progress(f"  {v.label or 'unpatched'}: {first[-1].wall:.1f} s")
-    removed = [removed_fraction(pack, m) for m in patched]
-    runs = [[] for _ in variants]
-    for r in range(args.repeats):
-        start = time.perf_counter()
-        order = list(range(len(variants)))
-        order = order[r % len(order):] + order[:r % len(order)]
-        for i in order:
-            run = sample_once(patched[i], args)
-            if not torch.equal(run.latent, first[i].latent):
-                raise RuntimeError(f"{variants[i].label}: a repeat sampled other latents than the first run")
-            runs[i].append(run)
-        progress(f"  round {r + 1}/{args.repeats}: {time.perf_counter() - start:.0f} s, load "
-                 f"{os.getloadavg()[0]:.1f}")
-    pictures = [proxy.latent_to_images(base, run.latent) for run in first]
+    removed = [run.removed_fraction(pack, m) for m in patched]
+
+    def timed_run(i):
+        again = sample_once(patched[i], args)
+        if not torch.equal(again.latent, first[i].latent):
+            raise RuntimeError(f"{variants[i].label}: a repeat sampled other latents than the first run")
+        return again.wall, again.cpu
+
+    timings = run.interleave(list(range(len(variants))), args.repeats, timed_run, progress)
+    if not args.repeats:  # --repeats 0: the fidelity run's own (untimed-order) seconds
+        timings = [run.Timings([x.wall], [x.cpu]) for x in first]
+    pictures = [proxy.latent_to_images(base, x.latent) for x in first]
     rows = []
-    for i, v in enumerate(variants):
-        timed = runs[i] or [first[i]]  # --repeats 0: the fidelity run's own (untimed-order) seconds
-        cpu_speedup, *cpu_spread = speedups([x.cpu for x in runs[0] or [first[0]]], [x.cpu for x in timed])
-        wall_speedup, _, _ = speedups([x.wall for x in runs[0] or [first[0]]], [x.wall for x in timed])
-        rows.append(Row(v, statistics.median(x.cpu for x in timed), statistics.median(x.wall for x in timed),
-                        cpu_speedup, tuple(cpu_spread), wall_speedup, removed[i], psnr(pictures[i], pictures[0]),
+    for i, (v, t) in enumerate(zip(variants, timings)):
+        cpu_speedup, *cpu_spread = t.speedups(timings[0], "cpu")
+        rows.append(Row(v, t.median_cpu, t.median_wall, cpu_speedup, tuple(cpu_spread),
+                        t.speedups(timings[0], "wall")[0], removed[i], psnr(pictures[i], pictures[0]),
                         ssim(pictures[i], pictures[0]), relative_l2(first[i].latent, first[0].latent)))
     return rows, pictures
 
@@ -331,7 +312,7 @@ def gpu_clock(rows: list[Row], pack, args, progress=print) -> None:
     of the proxy's family patched with the same setting, for as many steps as the proxy runs."""
     spec = costmodel.SPECS[args.real]
     recorded = costmodel.record_model(spec, pack, args.steps,
-                                      [costmodel.Variant(r.variant.label, r.variant.patch, merge_count(r)) for r in rows],
+                                      [costmodel.Variant(r.variant.label, patch=r.variant.patch, meta_scalar=merge_count(r)) for r in rows],
                                       progress=progress)
     for row, priced in zip(rows, costmodel.price(recorded, profile(args.hardware), "pipelined", False)):
         row.gpu_speedup, row.flops_saved = priced.speed_up, priced.flops_saved or 0.0
@@ -426,9 +407,9 @@ def parse_args(argv):
                          + ", ".join(f"{a} {m}" for a, m in REAL_SIZE.items()) + ")")
     ap.add_argument("--batch", type=int, default=4, help="pictures per run (default 4)")
     ap.add_argument("--steps", type=int, default=20, help="euler steps per run (default 20)")
-    ap.add_argument("--repeats", type=int, default=5,
-                    help="timed CPU rounds over all variants (default 5; 0: only the fidelity run's own times)")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    run.common_arguments(ap, devices=None, repeats_default=5,
+                         repeats_help="timed CPU rounds over all variants (default 5; 0: only the fidelity run's own times)",
+                         threads_default=1, threads_help="torch CPU threads (default 1)")
     ap.add_argument("--proxy", default=None, help="proxy safetensors (default: the shipped one for --arch)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder of the plot and the picture grid ('' for none)")
     args = ap.parse_args(argv)
@@ -462,17 +443,12 @@ def command_line(args) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    # ComfyUI's own nodes (its TomePatchModel) only for the UNet's methods: nothing else needs nodes.py
+    run.set_threads(args.threads)
     spec = proxy.spec_of(args.arch)
-    builtin_nodes = args.arch == "sd15" and args.set in ("methods", "placements")
     root = comfy_host.import_comfy(comfy_host.comfy_root(default=comfy_host.CURRENT_TREE), pytorch_attention=True,
-                                   extra_nodes=builtin_nodes)
+                                   extra_nodes=False)
     logging.getLogger().setLevel(logging.WARNING)  # after ComfyUI's basicConfig(INFO): no per-run chatter
     pack = comfy_host.load_pack()
-    if builtin_nodes:
-        import nodes as comfy_nodes  # ComfyUI's nodes.py: import_comfy put its tree first on sys.path
-
     tn = pack.nodes.toma_nodes
     path = Path(args.proxy or proxy.PROXY_DIR / spec.file)
     base = proxy.load(path)
@@ -488,14 +464,13 @@ def main(argv=None) -> None:
     elif kind == "flux":
         variants = dit_methods(tn)
     elif args.arch == "sdxl":
-        variants = sdxl_placements(tn) if args.set == "placements" else unet_methods(tn, None, sdxl=True)
+        variants = sdxl_placements(tn) if args.set == "placements" else unet_methods(tn, sdxl=True)
     else:
-        variants = placements(tn, comfy_nodes) if args.set == "placements" else unet_methods(tn, comfy_nodes)
+        variants = placements(tn) if args.set == "placements" else unet_methods(tn)
     tokens = (args.side // (1 if kind == "sd15" else 2)) ** 2 * (spec.frames or 1)
-    load = os.getloadavg()
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
-          f"{os.cpu_count()} CPUs, load {load[0]:.1f}; torch {torch.__version__}, {args.threads} thread(s); ComfyUI "
-          f"{'current' if comfy_host.is_current_comfy() else 'March 2024'} ({root.name}), SDPA", flush=True)
+    print(run.header("python -m toma_bench.curves", argv, "CPU",
+                     f"ComfyUI {'current' if comfy_host.is_current_comfy() else 'March 2024'} ({root.name}), SDPA"),
+          flush=True)
     print(f"command: {command_line(args)}")
     print(f"{args.arch} proxy {path.name}; {args.batch} {'clips' if spec.frames else 'pictures'} of latent "
           f"{args.side}x{args.side}{f'x{spec.frames} frames' if spec.frames else ''} ({tokens} image "
@@ -503,7 +478,7 @@ def main(argv=None) -> None:
           f"{len(variants)} variants, {args.repeats} timed rounds", flush=True)
     with torch.inference_mode():
         rows, pictures = measure(base, variants, args, pack, progress=lambda s: print(s, flush=True))
-    print(f"load after: {os.getloadavg()[0]:.1f}\n")
+    print(f"{run.footer()}\n")
     speed_axis = "process CPU time"
     if args.hardware != "cpu":
         gpu_clock(rows, pack, args, progress=lambda s: print(s, flush=True))

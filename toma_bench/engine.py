@@ -10,8 +10,6 @@ every attention call picks new destinations (in a run they are reused across blo
 ``net`` is saved - select - merge - unmerge. Times are medians over ``--repeats`` after warm-up.
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +17,7 @@ import torch.nn.functional as F
 from toma_core.baselines import tomesd_plan
 from toma_core.plan import plan_tiles
 
+from . import run
 from .tables import format_cell, format_table
 
 SHAPES = [((2, 4096, 640), (64, 64)), ((2, 1024, 1280), (32, 32))]
@@ -28,20 +27,14 @@ HEAD_DIM = 64
 
 
 def median_times(fns: dict, repeats: int, device: torch.device) -> dict:
-    """Median wall time in seconds of each fn(), after two warm-up calls. The calls go round-robin, so
-    that a slow spell of the machine hits every measurement alike instead of a few."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    """Median wall time in seconds of each fn(), after two warm-up calls, the calls interleaved in rounds
+    (toma_bench.run), so that a slow spell of the machine hits every measurement alike instead of a few.
+    Wall time: on CUDA the process CPU time is the host's launches, not the kernels."""
+    sync = run.device_sync(device)
     for fn in fns.values():
         fn(), fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    timings = run.interleave(list(fns.values()), repeats, lambda fn: run.timed(fn, sync)[1:])
+    return {name: t.median_wall for name, t in zip(fns, timings)}
 
 
 def attention(x: torch.Tensor) -> torch.Tensor:
@@ -95,23 +88,21 @@ def cost_table(attn_n, rows) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m toma_bench.engine", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=7, help="timed calls per measurement (median)")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="auto: CPU fp32, plus CUDA fp16 when available")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    run.common_arguments(ap, device_help="auto: CPU fp32, plus CUDA fp16 when available", repeats_default=7,
+                         repeats_help="timed calls per measurement (median)")
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: CUDA is not available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        run.resolve_device(ap, args.device)
+    run.set_threads(args.threads)
     runs = []
     if args.device in ("auto", "cpu"):
         threads = torch.get_num_threads()
         runs.append((torch.device("cpu"), torch.float32, f"CPU, {threads} thread{'s' * (threads > 1)}"))
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         runs.append((torch.device("cuda"), torch.float16, torch.cuda.get_device_name()))
-    print(f"torch {torch.__version__}; ratio {RATIO}; median of {args.repeats}; costs in % of one SDPA "
-          f"self-attention over the full input")
+    print(run.header("python -m toma_bench.engine", argv, " and ".join(name for *_, name in runs),
+                     f"ratio {RATIO}; median of {args.repeats}; costs in % of one SDPA self-attention over the full "
+                     "input"))
     with torch.inference_mode():
         for device, dtype, name in runs:
             for shape, hw in SHAPES:

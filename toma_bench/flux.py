@@ -18,7 +18,8 @@ whole either way) and every ``merge_every`` (the Advanced
 node's input: merge on steps 0, k, 2k, ... only), patched by ``ToMAPatchModelAdvanced`` with the node's
 other defaults. Every variant samples the same img2img job: a structured latent, denoise 0.75, euler,
 cfg 1. After one untimed 2-step run of every variant (loading, kernels, allocator), the variants run
-interleaved, repeat after repeat, so a slow spell of a shared machine hits all of them alike.
+interleaved, repeat after repeat, in an order rotated each repeat (toma_bench.run), so a slow spell of a
+shared machine hits all of them alike.
 
 Times are of whole runs (every step, the first included), not of steps: with merge_every 3 a run mixes
 merged and unmerged steps, and a per-step median would pick one kind. Columns: ``CPU speed-up`` (CPU
@@ -31,18 +32,12 @@ tokens``: per merged block, full -> merged; ``select %`` and ``merge %``: the ru
 CUDA (nodes.live_stats.StageClock), read after each run.
 """
 import argparse
-import datetime
-import os
-import platform
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from . import comfy_host, models, sampling
-from .cli import resolve_device
-from .metrics import speedups
+from . import comfy_host, models, run, sampling
 from .tables import format_cell, format_table
 
 SCOPES = ("block", "attention")  # the Advanced node's scope choices that place the merge on a Flux model
@@ -85,13 +80,10 @@ def patch(pack, model, variant: Variant, window: int, reuse: int):
 
 def run_once(model, job: dict, device: str) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one sampling run."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    wall, cpu = time.perf_counter(), time.process_time()
-    sampling.sample(model, job["conditioning"], job["latent"], steps=job["steps"], scheduler="simple",
-                    denoise=0.75, noise=job["noise"])
-    sync()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    _, wall, cpu = run.timed(lambda: sampling.sample(model, job["conditioning"], job["latent"], steps=job["steps"],
+                                                     scheduler="simple", denoise=0.75, noise=job["noise"]),
+                             run.device_sync(device))
+    return wall, cpu
 
 
 def variant_table(rows: list[dict]) -> str:
@@ -102,16 +94,9 @@ def variant_table(rows: list[dict]) -> str:
                                 format_cell(r["select"], "{:.1f}%"), format_cell(r["merge"], "{:.1f}%")] for r in rows])
 
 
-def merged_tokens(summary: dict) -> str:
-    """'two-stream 1024->512, joint 1024->512' from a runtime summary."""
-    return ", ".join(f"{name.split()[0]} {v['tokens']}->{v['merged_tokens']}"
-                     for name, v in summary["levels"].items()) or "none merged"
-
-
-def stage_share(summaries: list[dict], stages: list[str]) -> float:
-    """Median over the timed runs of the runtime's seconds in ``stages``, in % of the run's wall time."""
-    timed = [s for s in summaries if s.get("wall_seconds")]
-    return 100 * statistics.median(sum(s["seconds"][k] for k in stages) / s["wall_seconds"] for s in timed)
+def block_group(fields: dict) -> str:
+    """A level's block group, from its fields in a runtime summary ('two-stream')."""
+    return fields["group"]
 
 
 def comma_list(ap, option: str, text: str, convert, allowed: str, valid) -> list:
@@ -128,8 +113,6 @@ def comma_list(ap, option: str, text: str, convert, allowed: str, valid) -> list
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.flux", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="auto: CUDA when available (full FLUX.1-dev, bf16), else CPU (FLUX_SMALL, fp32)")
     ap.add_argument("--steps", type=int, default=6, help="sampling steps per run (default 6)")
     ap.add_argument("--ratios", default=None,
                     help="comma-separated ToMA ratios (default 0.25,0.5,0.75 on CUDA; 0.5,0.75 on the CPU, where "
@@ -138,19 +121,19 @@ def parse_args(argv):
                     help="comma list of the Advanced node's scopes to run: block, attention (default both)")
     ap.add_argument("--merge-every", default="1,3",
                     help="comma list of the Advanced node's merge_every, integers in [1, 100] (default 1,3)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant (default 3)")
     ap.add_argument("--latent", default=None, help="latent HxW (default 128x128 on CUDA, 64x64 on CPU)")
     ap.add_argument("--tokens", type=int, default=None, help="text tokens (default 512 on CUDA, 256 on CPU)")
     ap.add_argument("--window", type=int, default=4,
                     help="side of ToMA's windows in tokens, the nodes' window_size (default 4)")
     ap.add_argument("--reuse", type=int, default=5, help="steps between destination recomputations (default 5)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    run.common_arguments(ap, device_help="auto: CUDA when available (full FLUX.1-dev, bf16), else CPU (FLUX_SMALL, fp32)",
+                         repeats_default=3, repeats_help="interleaved runs of every variant (default 3)")
     args = ap.parse_args(argv)
     if args.steps < 2 or args.repeats < 1:
         ap.error("--steps must be >= 2 and --repeats >= 1")
     if not 1 <= args.window <= 32 or args.reuse < 1:
         ap.error("--window must be between 1 and 32 and --reuse >= 1")
-    args.device = resolve_device(ap, args.device)
+    args.device = run.resolve_device(ap, args.device)
     cuda = args.device == "cuda"
     # On a 2-core CPU a FLUX_SMALL run of 6 steps costs about 33 s unpatched and 20-28 s merged: with the
     # default scopes and schedules, 3 ratios (13 variants) take about 16 min at 3 repeats, 2 ratios about 11.
@@ -172,8 +155,7 @@ def parse_args(argv):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    run.set_threads(args.threads)
     comfy_host.import_core(args.device)
     pack = comfy_host.load_pack()
     cuda = args.device == "cuda"
@@ -188,41 +170,34 @@ def main(argv=None) -> None:
     variants = variants_of(args.ratios, args.scopes, args.merge_every)
     patched = [patch(pack, model, v, args.window, args.reuse) for v in variants]
     dm = model.model.diffusion_model
-    where = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s); {where}")
+    print(run.header("python -m toma_bench.flux", argv, run.device_name(args.device)))
     print(f"Flux architecture: hidden {dm.hidden_size}, {len(dm.double_blocks)} double + {len(dm.single_blocks)} "
           f"single blocks, {str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s)")
     print(f"latent {H}x{W} ({-(-H // 2) * -(-W // 2)} image tokens), {args.tokens} text tokens, {args.steps} "
           f"euler steps at denoise 0.75, window {args.window}, reuse {args.reuse}; {args.repeats} interleaved "
           f"repeats of {len(variants)} variants, medians of whole runs", flush=True)
 
-    runs = [[] for _ in variants]  # (wall, cpu) per repeat
     with torch.inference_mode():
         for m, summaries in patched:  # warm-up: loading, kernels, allocator; its summaries are not timed runs
             run_once(m, dict(job, steps=2), args.device)
             if summaries is not None:
                 summaries.clear()
-        for _ in range(args.repeats):
-            for i, (m, _) in enumerate(patched):
-                runs[i].append(run_once(m, job, args.device))
+        timings = run.interleave(patched, args.repeats, lambda variant: run_once(variant[0], job, args.device))
 
     rows = []
-    for variant, (_, summaries), variant_runs in zip(variants, patched, runs):
-        row = {"name": variant.label, "wall": statistics.median(w for w, _ in variant_runs),
-               "speedup": speedups([w for w, _ in runs[0]], [w for w, _ in variant_runs])[0], "cpu": None, "cpu_speedup": None, "cpu_spread": None,
-               "tokens": "all", "select": None, "merge": None}
+    for variant, (_, summaries), t in zip(variants, patched, timings):
+        row = {"name": variant.label, "wall": t.median_wall, "speedup": t.speedups(timings[0], "wall")[0],
+               "cpu": None, "cpu_speedup": None, "cpu_spread": None, "tokens": "all", "select": None, "merge": None}
         if not cuda:  # on CUDA the process CPU time is the host's launches and sync waits, not the model
-            cpu_speedup, lowest, highest = speedups([c for _, c in runs[0]], [c for _, c in variant_runs])
-            row.update(cpu=statistics.median(c for _, c in variant_runs), cpu_speedup=cpu_speedup,
-                       cpu_spread=f"{lowest:.2f}-{highest:.2f}")
+            cpu_speedup, lowest, highest = t.speedups(timings[0], "cpu")
+            row.update(cpu=t.median_cpu, cpu_speedup=cpu_speedup, cpu_spread=f"{lowest:.2f}-{highest:.2f}")
         if summaries:
-            row["tokens"] = merged_tokens(summaries[-1])
-            row["select"], row["merge"] = stage_share(summaries, ["select"]), stage_share(summaries, ["merge", "unmerge"])
+            row["tokens"] = run.merged_tokens(summaries[-1], block_group, nothing="none merged")
+            row["select"], row["merge"] = (run.stage_share(summaries, ["select"]),
+                                           run.stage_share(summaries, ["merge", "unmerge"]))
         rows.append(row)
 
-    print(f"load after: {os.getloadavg()[0]:.1f}\n")
+    print(f"{run.footer()}\n")
     print(variant_table(rows))
 
 

@@ -4,7 +4,7 @@ real-size SDXL and FLUX.1-dev architectures, in one command on an offline CUDA m
     python -m toma_bench.gpu [--budget-s 420] [--out DIR] [--repeats 5] [--models sdxl,flux] [--hardware h200]
                              [--dry-run | --predict-only]
 
-Run it through the kit (see docs/benchmarks.md): ``bash tests/device/prepare.sh`` here, then
+Run it through the kit (see docs/benchmarks.md): ``bash toma_bench/gpu_kit/prepare.sh`` here, then
 ``bash .device/run.sh`` on the GPU machine. Results go to ``DIR`` (default ``$OUT``, else
 ``./gpu-results``) as ``gpu_bench.md`` and ``gpu_bench.json``, rewritten after every measured run, so
 what was measured survives a timeout.
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from . import comfy_host, costmodel, gpuclock, models, sampling
+from . import comfy_host, costmodel, gpuclock, models, run, sampling
 from .tables import format_cell
 
 DEFAULT_BUDGET_S = 420  # the kit must finish in 8 minutes on an H100/H200, installs and start-up included
@@ -89,9 +89,7 @@ def scales(dry_run: bool) -> dict[str, Scale]:
 
 
 @dataclass(frozen=True)
-class Variant:
-    label: str
-    patch: object  # base MODEL -> patched MODEL
+class Variant(run.Variant):
     count_syncs: bool = False  # also measured under the SyncCounter
     profiled: bool = False  # also run once under torch.profiler (the node's default; unpatched always is)
 
@@ -99,28 +97,28 @@ class Variant:
 def node_default(tn, family: str) -> Variant:
     """The basic ToMA node with its default inputs (the kind's preset, nodes/placement.PRESETS)."""
     return Variant(f"ToMA node default (r={tn.DEFAULT_RATIO:g}, {family} preset)",
-                   lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0],
+                   patch=lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0],
                    count_syncs=True, profiled=True)
 
 
 def sdxl_variants(pack) -> list[Variant]:
     tn = pack.nodes.toma_nodes
-    out = [Variant("unpatched", lambda m: m), node_default(tn, "SDXL")]
+    out = [Variant("unpatched", patch=lambda m: m), node_default(tn, "SDXL")]
     for levels in ("auto", "auto+next"):
         for scope in ("attention", "block"):
             for r in RATIOS:
                 old = " (the earlier default)" if (r, levels, scope) == (0.5, "auto", "attention") else ""
                 out.append(Variant(f"ToMA r={r:g} {levels} {scope}{old}",
-                                   lambda m, r=r, levels=levels, scope=scope: tn.ToMAPatchModelAdvanced().patch(
+                                   patch=lambda m, r=r, levels=levels, scope=scope: tn.ToMAPatchModelAdvanced().patch(
                                        m, r, WINDOW, REUSE, scope=scope, levels=levels)[0],
                                    count_syncs=r == 0.5 and (levels, scope) in {("auto", "attention"),
                                                                                ("auto+next", "block")}))
     # the fidelity fixes' best setting on the SD1.x proxy (docs/benchmarks.md, placements), as a candidate
     out.append(Variant("ToMA r=0.75 keys/values per block proportional window 8",
-                       lambda m: tn.ToMAPatchModelAdvanced().patch(m, 0.75, 8, REUSE, scope="keys/values",
+                       patch=lambda m: tn.ToMAPatchModelAdvanced().patch(m, 0.75, 8, REUSE, scope="keys/values",
                                                                    plan_per_block=True,
                                                                    proportional_attention=True)[0]))
-    out.append(Variant("ToMeSD r=0.5 (1/2 level)", lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, 2)[0],
+    out.append(Variant("ToMeSD r=0.5 (1/2 level)", patch=lambda m: tn.ToMeSDPatchModel().patch(m, 0.5, 2)[0],
                        count_syncs=True))
     return out
 
@@ -135,14 +133,14 @@ def without_double_blocks(m):
 
 def flux_variants(pack) -> list[Variant]:
     tn = pack.nodes.toma_nodes
-    out = [Variant("unpatched", lambda m: m), node_default(tn, "image DiT")]
+    out = [Variant("unpatched", patch=lambda m: m), node_default(tn, "image DiT")]
     for r in RATIOS:
         old = " (the earlier default)" if r == 0.5 else ""
         out.append(Variant(f"ToMA r={r:g} double+single{old}",
-                           lambda m, r=r: tn.ToMAPatchModelAdvanced().patch(m, r, WINDOW, REUSE, scope="block")[0],
+                           patch=lambda m, r=r: tn.ToMAPatchModelAdvanced().patch(m, r, WINDOW, REUSE, scope="block")[0],
                            count_syncs=r == 0.5))
     for r in RATIOS:
-        out.append(Variant(f"ToMA r={r:g} single only", lambda m, r=r: without_double_blocks(
+        out.append(Variant(f"ToMA r={r:g} single only", patch=lambda m, r=r: without_double_blocks(
             tn.ToMAPatchModelAdvanced().patch(m, r, WINDOW, REUSE, scope="block")[0])))
     return out
 
@@ -186,12 +184,6 @@ class CallClock:
             total = sum(b - a for a, b in self.calls)
         self.calls = []
         return total
-
-
-def merged_tokens(summary: dict | None) -> str:
-    if not summary or not summary["levels"]:
-        return "all"
-    return ", ".join(f"{name.split(' (')[0]} {v['tokens']}->{v['merged_tokens']}" for name, v in summary["levels"].items())
 
 
 @dataclass
@@ -417,20 +409,13 @@ def predict(name: str, scale: Scale, variants, pack, log) -> list:
     """The cost model's recordings of ``variants`` of ``name`` as this benchmark runs them (priced by
     priced_rows)."""
     return costmodel.record_model(spec_of(name, scale), pack, scale.steps,
-                                  [costmodel.Variant(v.label, v.patch) for v in variants], progress=log)
+                                  [costmodel.Variant(v.label, patch=v.patch) for v in variants], progress=log)
 
 
 def sample(model, scale: Scale, job) -> None:
     conditioning, latent, noise = job
     sampling.sample(model, conditioning, latent, steps=scale.steps, cfg=scale.cfg, scheduler="simple", seed=SEED,
                     noise=noise)
-
-
-def runtime_summary(pack, model) -> dict | None:
-    try:
-        return pack.nodes.runtime.runtime_of(model).summary()
-    except ValueError:  # unpatched
-        return None
 
 
 def measure_model(name, scale, variants, pack, results: Results, cuda: bool, repeats: int, deadline: float,
@@ -468,7 +453,8 @@ def measure_model(name, scale, variants, pack, results: Results, cuda: bool, rep
                 complete = False
                 break
             round_start = time.perf_counter()
-            for (v, m), row in zip(patched, rows):
+            for i in run.rotated(len(patched), repeat):
+                (v, m), row = patched[i], rows[i]
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 sample(m, scale, job)
@@ -476,9 +462,10 @@ def measure_model(name, scale, variants, pack, results: Results, cuda: bool, rep
                 row.step_seconds.append(seconds / scale.steps)
                 if cuda:
                     row.peak_bytes = max(row.peak_bytes, torch.cuda.max_memory_allocated())
-                summary = runtime_summary(pack, m)
-                if summary is not None:
-                    row.merged = merged_tokens(summary)
+                runtime = run.runtime_of(pack, m)
+                if runtime is not None:
+                    summary = runtime.summary()
+                    row.merged = run.merged_tokens(summary)
                     row.merge_shares.append(sum(summary["seconds"].values()) / seconds)
                 results.write()
             last_round = time.perf_counter() - round_start

@@ -1,5 +1,8 @@
-"""Sampling through ComfyUI's own sampler (``comfy.sample.sample``), the one way tests and benchmarks run
-a MODEL. ComfyUI must already be imported (comfy_host.import_comfy)."""
+"""Sampling through ComfyUI's own sampler (``comfy.sample.sample``) with the harness's seeding: the noise
+ComfyUI's KSampler draws for a seed, optionally the global RNGs seeded too. Every benchmark, the proxies
+and most tests sample through ``sample``; a few tests call ``comfy.sample.sample`` themselves where they
+hand it arguments of their own (noise drawn in their own layout, a sampler under test). ComfyUI must
+already be imported (comfy_host.import_comfy)."""
 import contextlib
 import random
 

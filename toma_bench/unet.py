@@ -26,19 +26,16 @@ time per step; ``merge cost``: the runtime's own select + merge + unmerge clocks
 """
 import argparse
 import contextlib
-import datetime
 import logging
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from . import comfy_host, models, sampling
-from .metrics import speedups
+from . import comfy_host, models, run, sampling
+from .run import Variant, comfy_tome
 from .tables import format_cell, format_table
 
 SAMPLER, SCHEDULER, CFG, DENOISE = "euler", "normal", 5.0, 0.6
@@ -63,12 +60,9 @@ DEFAULTS = {
 
 # -- setup --------------------------------------------------------------------------------------------
 def import_host(device: str, sdpa: bool):
-    """ComfyUI (attention backend fixed for the process) and the pack, as (comfy nodes module, pack)."""
-    comfy_host.import_comfy(pytorch_attention=sdpa, cpu=device == "cpu")
-    pack = comfy_host.load_pack()
-    import nodes as comfy_nodes  # ComfyUI's nodes.py (import_comfy put its tree first on sys.path)
-
-    return comfy_nodes, pack
+    """ComfyUI (attention backend fixed for the process) and the pack."""
+    comfy_host.import_comfy(pytorch_attention=sdpa, cpu=device == "cpu", extra_nodes=False)
+    return comfy_host.load_pack()
 
 
 @dataclass(frozen=True)
@@ -94,27 +88,6 @@ def make_job(arch: str, config_name: str, steps: int, device: str) -> Job:
 
 
 # -- variants -----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Variant:
-    family: str  # "unpatched", "ToMA attention", "ToMA block", "ToMeSD", "CA-ToMe", "ComfyUI Tome"
-    setting: str  # what the family's knob is set to, e.g. "r=0.5", "t=0.7"
-    patch: Callable  # base MODEL -> patched MODEL
-
-    @property
-    def label(self) -> str:
-        return f"{self.family} {self.setting}".strip()
-
-
-def builtin_tome(comfy_nodes, model, ratio: float):
-    """ComfyUI's TomePatchModel, found in its NODE_CLASS_MAPPINGS (V1 ``patch`` in older ComfyUI, V3
-    ``execute`` returning a NodeOutput in current ComfyUI)."""
-    cls = comfy_nodes.NODE_CLASS_MAPPINGS["TomePatchModel"]
-    if hasattr(cls, "define_schema"):
-        out = cls.execute(model=model, ratio=ratio)
-        return out.args[0] if hasattr(out, "args") else out[0]
-    return getattr(cls(), cls.FUNCTION)(model, ratio)[0]
-
-
 def toma_variant(toma_nodes, ratio, scope="attention", window=None, reuse=None, levels="auto", setting=None):
     window = 4 if window is None else window  # the node's window before "auto" chose one per kind of model
     reuse = toma_nodes.DEFAULT_REUSE if reuse is None else reuse
@@ -123,7 +96,7 @@ def toma_variant(toma_nodes, ratio, scope="attention", window=None, reuse=None, 
                    lambda m: node.patch(m, ratio, window, reuse, scope=scope, levels=levels)[0])
 
 
-def comparison_variants(arch, ratios, thresholds, pack, comfy_nodes) -> list[Variant]:
+def comparison_variants(arch, ratios, thresholds, pack) -> list[Variant]:
     """The main table: ToMA (scope attention) and ToMeSD at every ratio, ToMA scope block and ComfyUI's
     TomePatchModel at the ratio closest to 0.5, CA-ToMe at every threshold. The ToMe baselines merge the highest-resolution
     attention level, as ToMA's levels "auto" does: 1/1 on SD1.5, 1/2 on SDXL (no attention at 1/1, where
@@ -138,7 +111,7 @@ def comparison_variants(arch, ratios, thresholds, pack, comfy_nodes) -> list[Var
             for r in ratios]
     out += [Variant("CA-ToMe", f"t={t:g}", lambda m, t=t: tn.CAToMePatchModel().patch(m, t, max_downsample=max_down)[0])
             for t in thresholds]
-    out.append(Variant("ComfyUI Tome", f"r={mid:g}", lambda m: builtin_tome(comfy_nodes, m, mid)))
+    out.append(Variant("ComfyUI Tome", f"r={mid:g}", lambda m: comfy_tome(m, mid)))
     return out
 
 
@@ -193,22 +166,8 @@ def timed_call(model, call, sync) -> tuple[float, float]:
 
     comfy.model_management.load_models_gpu([model])
     x, sigma, c = call
-    sync()
-    wall, cpu = time.perf_counter(), time.process_time()
-    model.model.apply_model(x, sigma, **c)
-    sync()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def find_runtime(pack):
-    """model -> its MergeRuntime (the one the pack's nodes put into transformer_options), or None."""
-    def runtime_of(model):
-        try:
-            return pack.nodes.runtime.runtime_of(model)
-        except ValueError:
-            return None
-
-    return runtime_of
+    _, wall, cpu = run.timed(lambda: model.model.apply_model(x, sigma, **c), sync)
+    return wall, cpu
 
 
 @dataclass
@@ -233,48 +192,45 @@ class Row:
 def measure(job: Job, variants: list[Variant], base, repeats: int, sync, pack, progress=print) -> list[Row]:
     """Pass 1 samples each variant once (the calls to replay; also the warm-up). Pass 2
     replays the recorded calls ``repeats`` times, call by call across the variants (step 0 of every
-    variant, then step 1, ...), so a slow spell of a shared machine hits every variant alike.
+    variant, then step 1, ..., in an order of the variants rotated each repeat), so a slow spell of a
+    shared machine hits every variant alike.
     Rows follow ``variants``; the first is the reference."""
     holder = [None]
     recorded = base.clone()
     recorded.set_model_unet_function_wrapper(recording_wrapper(holder))
     patched = [v.patch(recorded) for v in variants]
-    runtime_of = find_runtime(pack)
     start = time.perf_counter()
     recordings, removed = [], []
     for model in patched:
         recordings.append(record_calls(model, job, holder))
-        levels = None if runtime_of(model) is None else runtime_of(model).report().levels
-        removed.append(statistics.mean(1 - v.merged_tokens / v.tokens for v in levels.values()) if levels else None)
+        removed.append(run.removed_fraction(pack, model))
     progress(f"  {job.arch} sampling pass: {time.perf_counter() - start:.0f} s")
     n_calls = len(recordings[0])
     if any(len(calls) != n_calls for calls in recordings):
         raise RuntimeError(f"variants made different numbers of UNet calls: {[len(calls) for calls in recordings]}")
-    wall = [[0.0] * repeats for _ in variants]
-    cpu = [[0.0] * repeats for _ in variants]
-    shares = [[None] * repeats for _ in variants]
+    timings = [run.Timings() for _ in variants]
+    shares = [[] for _ in variants]
     for rep in range(repeats):
         start = time.perf_counter()
+        wall, cpu = [0.0] * len(variants), [0.0] * len(variants)
         for k in range(n_calls):
-            for i, (model, calls) in enumerate(zip(patched, recordings)):
-                w, c = timed_call(model, calls[k], sync)
-                wall[i][rep] += w
-                cpu[i][rep] += c
+            for i in run.rotated(len(variants), rep):
+                w, c = timed_call(patched[i], recordings[i][k], sync)
+                wall[i] += w
+                cpu[i] += c
         for i, model in enumerate(patched):  # a runtime's seconds cover its current run: this repeat
-            runtime = runtime_of(model)
+            timings[i].add(wall[i], cpu[i])
+            runtime = run.runtime_of(pack, model)
             if runtime is not None:
-                shares[i][rep] = {k: v / wall[i][rep] for k, v in runtime.stages.seconds().items()}
+                shares[i].append({k: v / wall[i] for k, v in runtime.summary()["seconds"].items()})
         progress(f"  {job.arch} timing repeat {rep + 1}/{repeats}: {time.perf_counter() - start:.0f} s "
-                 f"(unpatched {1000 * wall[0][rep] / job.steps:.0f} ms/step), load {os.getloadavg()[0]:.1f}")
+                 f"(unpatched {1000 * wall[0] / job.steps:.0f} ms/step), load {os.getloadavg()[0]:.1f}")
     rows = []
-    for i, variant in enumerate(variants):
-        share = None
-        if shares[i][0] is not None:
-            share = {k: statistics.median(s[k] for s in shares[i]) for k in shares[i][0]}
-        cpu_speedup, *cpu_spread = speedups(cpu[0], cpu[i])
-        rows.append(Row(job.arch, variant, 1000 * statistics.median(wall[i]) / job.steps,
-                        1000 * statistics.median(cpu[i]) / job.steps, speedups(wall[0], wall[i])[0],
-                        cpu_speedup, tuple(cpu_spread),
+    for i, (variant, t) in enumerate(zip(variants, timings)):
+        share = {k: statistics.median(s[k] for s in shares[i]) for k in shares[i][0]} if shares[i] else None
+        cpu_speedup, *cpu_spread = t.speedups(timings[0], "cpu")
+        rows.append(Row(job.arch, variant, 1000 * t.median_wall / job.steps, 1000 * t.median_cpu / job.steps,
+                        t.speedups(timings[0], "wall")[0], cpu_speedup, tuple(cpu_spread),
                         share, removed[i], len(recordings[i]) / job.steps,
                         max(c[0].shape[0] for c in recordings[i])))
     return rows
@@ -308,18 +264,18 @@ def parse_floats(name: str, text: str, low: float, high: float) -> list[float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m toma_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="sd15,sdxl", help="comma list of sd15, sdxl (default both)")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda runs fp16 with the full configs")
     ap.add_argument("--config", choices=["auto", "small", "full"], default="auto",
                     help="UNet size: auto = small on CPU (SD15_SMALL, SDXL_SMALL), full on CUDA")
     ap.add_argument("--steps", type=int, default=None, help="sampler steps per run (default: see DEFAULTS)")
-    ap.add_argument("--repeats", type=int, default=None, help="timing passes over all variants (default: see DEFAULTS)")
     ap.add_argument("--ratios", default=None, help="ToMA/ToMeSD ratios, comma list (default: see DEFAULTS)")
     ap.add_argument("--thresholds", default="0.7", help="CA-ToMe similarity thresholds (default 0.7)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     ap.add_argument("--attention", choices=["sdpa", "sub-quad"], default="sdpa",
                     help="ComfyUI attention backend (fixed for the process)")
     ap.add_argument("--quick", action="store_true",
                     help="SD1.5 only, ratio 0.5, 2 steps, 3 timing passes (~4 min on a quiet 2-core CPU)")
+    run.common_arguments(ap, devices=("cpu", "cuda"), device_default="cpu", device_help="cuda runs fp16 with the full configs",
+                         repeats_default=None, repeats_help="timing passes over all variants (default: see DEFAULTS)",
+                         threads_help="torch CPU threads (default: all cores)")
     args = ap.parse_args(argv)
 
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
@@ -328,22 +284,17 @@ def main(argv=None) -> None:
     if args.quick and args.arch == ap.get_default("arch"):
         archs = ["sd15"]
     thresholds = parse_floats("thresholds", args.thresholds, -1.0, 1.0)
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available")
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    comfy_nodes, pack = import_host(args.device, args.attention == "sdpa")
+    cuda = run.resolve_device(ap, args.device) == "cuda"
+    run.set_threads(args.threads or os.cpu_count() or 1)
+    pack = import_host(args.device, args.attention == "sdpa")
     logging.getLogger().setLevel(logging.WARNING)  # after ComfyUI's basicConfig(INFO): no per-run chatter
     full = args.config == "full" or (args.config == "auto" and cuda)
     dtype = torch.float16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     mode = "quick" if args.quick else "full"
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.machine()} "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s); {torch.cuda.get_device_name() if cuda else 'CPU'}; "
-          f"{str(dtype).removeprefix('torch.')}; attention {args.attention}; ComfyUI "
-          f"{'current' if comfy_host.is_current_comfy() else 'March 2024'}; {SAMPLER}/{SCHEDULER} img2img denoise "
-          f"{DENOISE}, cfg {CFG}; random weights", flush=True)
+    print(run.header("python -m toma_bench", argv, run.device_name(args.device), str(dtype).removeprefix('torch.'),
+                     f"attention {args.attention}", f"ComfyUI {'current' if comfy_host.is_current_comfy() else 'March 2024'}",
+                     f"{SAMPLER}/{SCHEDULER} img2img denoise {DENOISE}, cfg {CFG}; random weights"), flush=True)
 
     rows = []
     with torch.inference_mode():
@@ -354,7 +305,7 @@ def main(argv=None) -> None:
             ratios = parse_floats("ratios", args.ratios or ratios, 0.0, 0.9)
             job = make_job(arch, config_name, steps, args.device)
             base = models.build_unet(arch, seed=SEED, dtype=dtype, config=getattr(models, config_name))
-            variants = comparison_variants(arch, ratios, thresholds, pack, comfy_nodes)
+            variants = comparison_variants(arch, ratios, thresholds, pack)
             print(f"{arch}: {config_name}, latent {LATENT_SIDE[arch]}x{LATENT_SIDE[arch]}, {steps} steps, "
                   f"{len(variants)} variants, {repeats} timing passes", flush=True)
             start = time.perf_counter()
@@ -365,6 +316,7 @@ def main(argv=None) -> None:
     odd = [r for r in rows if r.calls_per_step != 1 or r.batch != 2]
     if odd:
         print(f"note: {len(odd)} variants did not run one batch-2 call per step (CFG batch split)")
+    print(run.footer())
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ how far merging moves this model's output, not what it does to a video.
 Every variant (unpatched, then ToMA at each ratio and temporal window, patched as the Advanced node
 does with its other inputs at their defaults) samples the same video-to-video job: a latent that pans
 one latent pixel per frame over smooth structure (the temporal redundancy of real video), denoise
-0.75, euler, cfg 1, 512 text tokens. The variants run interleaved, repeat after repeat, so a slow spell
-of a shared machine hits all of them alike. Rows are ranked by CPU time on the CPU (which other jobs on
+0.75, euler, cfg 1, 512 text tokens. The variants run interleaved, repeat after repeat, in an order
+rotated each repeat (toma_bench.run), so a slow spell of a shared machine hits all of them alike. Rows are ranked by CPU time on the CPU (which other jobs on
 a shared machine do not inflate) and by wall time on CUDA. Columns:
 ``step ms`` / ``CPU ms``: median wall / process-CPU time between the sampler's step callbacks over all
 steps but the first (which holds the sampler's set-up) of all repeats; ``speed-up`` / ``CPU speed-up``:
@@ -42,18 +42,11 @@ a whole run; speed-ups: unpatched over variant; ``rel L2 final``: relative L2 di
 latent to unpatched's.
 """
 import argparse
-import datetime
-import os
-import platform
-import shlex
-import statistics
-import sys
 import time
 
 import torch
 
-from . import comfy_host, models, sampling
-from .cli import resolve_device
+from . import comfy_host, models, run, sampling
 from .metrics import relative_l2
 from .tables import format_cell, format_table
 
@@ -73,7 +66,7 @@ class StepProfile:
     is bracketed by device syncs, so this runs on its own, never in the timed runs."""
 
     def __init__(self, device: str):
-        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        self.sync = run.device_sync(device)
         # CPU: process time, which other jobs on a shared machine do not inflate; CUDA: wall time
         self.clock = time.perf_counter if device == "cuda" else time.process_time
         self.blocks = self.attention = 0.0
@@ -115,19 +108,19 @@ class StepProfile:
 def run_steps(model, job: dict, device: str, on_step=None):
     """(wall seconds per step, process CPU seconds per step, (denoised output, input latent) of the first
     step) of one sampling run; ``on_step`` is called at every step callback, after the device is synced."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = run.device_sync(device)
     stamps, first = [], []
 
     def callback(step, x0, x, total):
         sync()
-        stamps.append((time.perf_counter(), time.process_time()))
+        stamps.append(run.clock())
         if on_step is not None:
             on_step()
         if step == 0:
             first.append((x0.detach().float().cpu(), x.detach().float().cpu()))
 
     sync()
-    start = (time.perf_counter(), time.process_time())
+    start = run.clock()
     sampling.sample(model, job["conditioning"], job["latent"], steps=job["steps"], scheduler="simple", denoise=0.75,
                     noise=job["noise"], callback=callback)
     wall, cpu = ([b[i] - a[i] for a, b in zip([start] + stamps[:-1], stamps)] for i in (0, 1))
@@ -166,15 +159,15 @@ def measure(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[
     with torch.inference_mode():
         run_steps(model, dict(job, steps=2), args.device)  # warm-up: loading, kernels, allocator
         block_share, attention_share = StepProfile(args.device).shares(model, job, args.device)
-        walls = {name: [] for name, *_ in variants}
-        cpus = {name: [] for name, *_ in variants}
         x0s = {}
-        for _ in range(args.repeats):
-            for name, m, _ in variants:
-                wall, cpu, x0 = run_steps(m, job, args.device)
-                walls[name] += wall[1:]
-                cpus[name] += cpu[1:]
-                x0s.setdefault(name, x0)
+
+        def steps_but_first(variant):
+            name, m, _ = variant
+            wall, cpu, x0 = run_steps(m, job, args.device)
+            x0s.setdefault(name, x0)
+            return wall[1:], cpu[1:]
+
+        timings = dict(zip((name for name, *_ in variants), run.interleave(variants, args.repeats, steps_but_first)))
 
     t, h, w = frames, -(-H // 2), -(-W // 2)
     tokens = t * h * w
@@ -184,8 +177,8 @@ def measure(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[
               f"({clock})")
     rows = []
     for name, _, summaries in variants:
-        row = {"name": name, "tokens": f"{tokens}", "wall": statistics.median(walls[name]),
-               "cpu": None if args.device == "cuda" else statistics.median(cpus[name]),
+        row = {"name": name, "tokens": f"{tokens}", "wall": timings[name].median_wall,
+               "cpu": None if args.device == "cuda" else timings[name].median_cpu,
                "predicted": 1.0, "select": None, "merge": None, "x0": None, "v": None}
         if summaries:
             (level,) = summaries[-1]["levels"].values()
@@ -193,12 +186,8 @@ def measure(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[
             merged = len(pack.nodes.adapters.dit.merged_blocks(blocks, pack.nodes.adapters.dit.JOINT))
             row["tokens"] = f"{level['tokens']}->{level['merged_tokens']}"
             row["predicted"] = predicted_speedup(block_share, attention_share, merged / blocks, kept)
-            timed = [s for s in summaries if s.get("wall_seconds")]
-
-            def share(kinds):
-                return 100 * statistics.median(sum(s["seconds"][k] for k in kinds) / s["wall_seconds"] for s in timed)
-
-            row["select"], row["merge"] = share(["select"]), share(["merge", "unmerge"])
+            row["select"], row["merge"] = (run.stage_share(summaries, ["select"]),
+                                           run.stage_share(summaries, ["merge", "unmerge"]))
             (x0, x), (x0_ref, _) = x0s[name], x0s["unpatched"]
             row["x0"] = relative_l2(x0, x0_ref)
             # the prediction itself: x0 = x - sigma v for Wan's flow model, and every variant starts from
@@ -248,26 +237,26 @@ def measure_stack(pack, model, config: dict, args, aspect: str, frames: int) -> 
     calls = [0]
     hook = model.model.diffusion_model.blocks[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
 
-    def run(m, steps):
-        before, wall, cpu = calls[0], time.perf_counter(), time.process_time()
-        out = sampling.sample(m, conditioning, latent, steps=steps, scheduler="simple", denoise=1.0, noise=noise)
-        return time.perf_counter() - wall, time.process_time() - cpu, calls[0] - before, out.float()
+    def sample(m, steps):
+        return sampling.sample(m, conditioning, latent, steps=steps, scheduler="simple", denoise=1.0, noise=noise)
+
+    runs = [(v, s) for s in args.stack_steps for v in STACK_VARIANTS]
+    results = {key: {"calls": [], "out": None} for key in runs}
+
+    def whole_run(key):
+        v, steps = key
+        before = calls[0]
+        out, wall, cpu = run.timed(lambda: sample(built[v], steps), run.device_sync(args.device))
+        results[key]["calls"].append(calls[0] - before)
+        if results[key]["out"] is None:
+            results[key]["out"] = out.float()
+        return wall, cpu
 
     try:
         with torch.inference_mode():
-            run(model, 2)  # warm-up: loading, kernels, allocator
-            results = {(v, s): {"wall": [], "cpu": [], "calls": [], "out": None}
-                       for s in args.stack_steps for v in STACK_VARIANTS}
-            for _ in range(args.repeats):
-                for steps in args.stack_steps:
-                    for v in STACK_VARIANTS:
-                        wall, cpu, n, out = run(built[v], steps)
-                        r = results[v, steps]
-                        r["wall"].append(wall)
-                        r["cpu"].append(cpu)
-                        r["calls"].append(n)
-                        if r["out"] is None:
-                            r["out"] = out
+            sample(model, 2)  # warm-up: loading, kernels, allocator
+            for key, t in zip(runs, run.interleave(runs, args.repeats, whole_run)):
+                results[key]["timings"] = t
     finally:
         hook.remove()
 
@@ -280,7 +269,7 @@ def measure_stack(pack, model, config: dict, args, aspect: str, frames: int) -> 
         for v in STACK_VARIANTS:
             r = results[v, steps]
             rows.append({"name": names[v], "steps": steps, "calls": sorted(set(r["calls"])),
-                         "wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"]),
+                         "wall": r["timings"].median_wall, "cpu": r["timings"].median_cpu,
                          "l2": None if v == "unpatched" else relative_l2(r["out"], ref)})
         tables.append((steps, rows))
     return header, tables
@@ -314,8 +303,6 @@ def parse_sizes(text: str) -> list[tuple[str, int]]:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.video", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="auto: CUDA when available (Wan 2.1 1.3B, bf16), else CPU (WAN_SMALL, fp32)")
     ap.add_argument("--sizes", default=None,
                     help="comma-separated ASPECT:LATENT_FRAMES, aspects 480p and 720p (default "
                          "480p:9,480p:21,720p:21 on CUDA, 480p:3,480p:9,720p:5 on CPU)")
@@ -328,13 +315,13 @@ def parse_args(argv):
     ap.add_argument("--ratios", default=None, help="comma-separated ToMA ratios (default 0.25,0.5,0.75; --stack: one ratio, default 0.5)")
     ap.add_argument("--temporal", default=None,
                     help="comma-separated temporal windows in frames (default 1,2; --stack: one window, default 2)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant (default 3)")
     ap.add_argument("--tokens", type=int, default=512, help="text tokens (default 512, as Wan's umT5 pads to)")
     ap.add_argument("--window", type=int, default=4, help="ToMA window side in tokens (default 4)")
     ap.add_argument("--reuse", type=int, default=5, help="steps between destination recomputations (default 5)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    run.common_arguments(ap, device_help="auto: CUDA when available (Wan 2.1 1.3B, bf16), else CPU (WAN_SMALL, fp32)",
+                         repeats_default=3, repeats_help="interleaved runs of every variant (default 3)")
     args = ap.parse_args(argv)
-    args.device = resolve_device(ap, args.device)
+    args.device = run.resolve_device(ap, args.device)
     cuda = args.device == "cuda"
     try:
         args.sizes = parse_sizes(args.sizes or ("480p:9" if cuda else "480p:3") if args.stack else
@@ -365,9 +352,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_args(argv)
+    run.set_threads(args.threads)
     root = comfy_host.import_core(args.device, require_flux=False)
     if not (root / "comfy" / "ldm" / "wan" / "model.py").is_file():
         raise SystemExit(f"no Wan in the ComfyUI at {root}: set COMFYUI_PATH to a current ComfyUI")
@@ -379,33 +365,27 @@ def main(argv=None) -> None:
                              draw_device="cuda" if cuda else None)
     built = time.perf_counter() - built
 
-    where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    print("$ python -m toma_bench.video " + shlex.join(sys.argv[1:] if argv is None else argv))
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.node()}; torch "
-          f"{torch.__version__}; {where}; {os.cpu_count()} CPUs, load average {load} at start")
-    print(f"Wan architecture: dim {config['dim']}, {config['num_heads']} heads, {config['num_layers']} blocks, "
-          f"{str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s); {args.tokens} text tokens, "
-          f"{args.steps} euler steps at denoise 0.75, cfg 1, window {args.window}, reuse {args.reuse}; "
-          f"{args.repeats} interleaved repeats, median of {args.repeats * (args.steps - 1)} steps per variant"
-          if not args.stack else
-          f"Wan architecture: dim {config['dim']}, {config['num_heads']} heads, {config['num_layers']} blocks, "
-          f"{str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s); {args.tokens} text tokens, "
-          f"text-to-video from noise (denoise 1), euler, simple scheduler, cfg 1; {args.stack_steps} steps; "
-          f"ToMA window {args.window}, reuse {args.reuse}; EasyCache reuse_threshold 0.2, start_percent 0.15, "
-          f"end_percent 0.95; {args.repeats} interleaved repeats, median of {args.repeats} whole runs per variant",
-          flush=True)
+    setting = (f"Wan architecture: dim {config['dim']}, {config['num_heads']} heads, {config['num_layers']} blocks, "
+               f"{str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s); {args.tokens} text tokens, ")
+    print(run.header("python -m toma_bench.video", argv, run.device_name(args.device)))
+    print(setting + (f"{args.steps} euler steps at denoise 0.75, cfg 1, window {args.window}, reuse {args.reuse}; "
+                     f"{args.repeats} interleaved repeats, median of {args.repeats * (args.steps - 1)} steps per variant"
+                     if not args.stack else
+                     f"text-to-video from noise (denoise 1), euler, simple scheduler, cfg 1; {args.stack_steps} steps; "
+                     f"ToMA window {args.window}, reuse {args.reuse}; EasyCache reuse_threshold 0.2, start_percent "
+                     f"0.15, end_percent 0.95; {args.repeats} interleaved repeats, median of {args.repeats} whole runs "
+                     "per variant"), flush=True)
     if args.stack:
         for aspect, frames in args.sizes:
             header, tables = measure_stack(pack, model, config, args, aspect, frames)
             for steps, rows in tables:
                 print(f"\n{header}, {steps} steps\n{stack_table(rows, args.device)}", flush=True)
-        print(f"\nload average {', '.join(f'{v:.1f}' for v in os.getloadavg())} at the end")
+        print(f"\n{run.footer()}")
         return
     for aspect, frames in args.sizes:
         header, rows = measure(pack, model, config, args, aspect, frames)
         print(f"\n{header}\n{variant_table(rows, args.device)}", flush=True)
-    print(f"\nload average {', '.join(f'{v:.1f}' for v in os.getloadavg())} at the end")
+    print(f"\n{run.footer()}")
 
 
 if __name__ == "__main__":

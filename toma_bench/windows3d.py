@@ -19,12 +19,9 @@ Windows of 4 x 4 x 4 and 1 x 8 x 8 tokens hold the same 64 tokens, so their rows
 time with merging over a wider patch of one frame at the same window size.
 """
 import argparse
-import datetime
 import importlib.util
 import math
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +30,10 @@ import torch.nn.functional as F
 from PIL import Image
 
 from toma_core.plan import DEFAULT_TAU, plan_tiles
+
+from . import run
+from .metrics import relative_l2
+from .tables import format_table
 
 PATCH = 8  # pixels per token side
 CHANNELS = 64
@@ -107,10 +108,6 @@ def attention(x: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C)
 
 
-def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((approx - exact).norm() / exact.norm())
-
-
 def measure(videos: list[torch.Tensor], thw: tuple[int, int, int], qkv: torch.Tensor) -> dict:
     """{(tile, temporal_window): {"recon": {ratio: mean error}, "attn": {...}, "select": ms}} over ``videos``
     ((1, frames*h*w, C) each, thw = (frames, h, w))."""
@@ -127,15 +124,15 @@ def measure(videos: list[torch.Tensor], thw: tuple[int, int, int], qkv: torch.Te
                                   temporal_window=temporal_window)
                 if ratio == 0.5:
                     select.append(1000 * (time.process_time() - start))
-                recon[ratio].append(relative_error(plan.unmerge(plan.merge(x)), x))
-                attn[ratio].append(relative_error(plan.unmerge(attention(plan.merge(x), qkv)), full))
+                recon[ratio].append(relative_l2(plan.unmerge(plan.merge(x)), x))
+                attn[ratio].append(relative_l2(plan.unmerge(attention(plan.merge(x), qkv)), full))
         results[tile, temporal_window] = {"recon": {r: statistics.fmean(e) for r, e in recon.items()},
                                       "attn": {r: statistics.fmean(e) for r, e in attn.items()},
                                       "select": statistics.median(select)}
     return results
 
 
-def format_table(results: dict) -> str:
+def window_table(results: dict) -> str:
     head = (["window", "tokens"] + [f"recon {r}" for r in RATIOS] + [f"attn {r}" for r in RATIOS]
             + ["select ms"])
     rows = []
@@ -143,10 +140,7 @@ def format_table(results: dict) -> str:
         rows.append([f"{temporal_window}x{tile}x{tile}", str(temporal_window * tile * tile)]
                     + [f"{res['recon'][r]:.3f}" for r in RATIOS] + [f"{res['attn'][r]:.3f}" for r in RATIOS]
                     + [f"{res['select']:.0f}"])
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    lines = [head, ["-" * w for w in widths]] + rows
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in lines)
+    return format_table(head, rows)
 
 
 def main(argv=None) -> None:
@@ -157,7 +151,7 @@ def main(argv=None) -> None:
     ap.add_argument("--clips", type=int, default=4, help="clips per motion (random start and direction)")
     ap.add_argument("--frames", type=int, default=8, help="frames per clip")
     ap.add_argument("--size", type=int, default=32, help="tokens per frame side")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    run.common_arguments(ap, devices=None)
     args = ap.parse_args(argv)
     path = args.image or bundled_photo()
     if path is None:
@@ -165,16 +159,13 @@ def main(argv=None) -> None:
     for name in ("clips", "frames", "size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    run.set_threads(args.threads)
     photo = Image.open(path).convert("RGB")
     thw = (args.frames, args.size, args.size)
     generator = torch.Generator().manual_seed(0)
     projection = torch.randn(3 * PATCH * PATCH, CHANNELS, generator=generator) / (3 * PATCH * PATCH) ** 0.5
     qkv = torch.randn(3, CHANNELS, CHANNELS, generator=generator) / CHANNELS ** 0.5
-    command = " ".join(["python -m toma_bench.windows3d"] + (sys.argv[1:] if argv is None else argv))
-    print(f"{command}\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; {platform.node()}; "
-          f"torch {torch.__version__}; {torch.get_num_threads()} CPU thread(s)")
+    print(run.header("python -m toma_bench.windows3d", argv, "CPU"))
     print(f"photo {path} ({photo.size[0]}x{photo.size[1]}); {args.clips} clips of {args.frames} frames x "
           f"{args.size}x{args.size} tokens ({PATCH}x{PATCH}-pixel patches), C={CHANNELS}; tau {DEFAULT_TAU:g}; "
           f"errors: mean relative L2 over clips; window = temporal_window x window_size x window_size")
@@ -183,7 +174,7 @@ def main(argv=None) -> None:
             clips = random_clips(photo, args.clips, args.frames, args.size, pan, zoom, generator)
             videos = [embed(clip, projection) for clip in clips]
             print(f"\n{name}: {pan} token/frame" + (f", zoom {100 * zoom:g}%/frame" if zoom else ""))
-            print(format_table(measure(videos, thw, qkv)))
+            print(window_table(measure(videos, thw, qkv)))
 
 
 if __name__ == "__main__":

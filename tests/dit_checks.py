@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from .metrics import relative_l2
+from toma_bench.metrics import relative_l2
 
 WRAPPER = "comfyui_toma"  # the pack's wrapper key on a ModelPatcher
 LOGGER = "ComfyUI-ToMA"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark in one command (copied to .device/run.sh by tests/device/prepare.sh). From the repo root:
+# The GPU benchmark in one command (copied to .device/run.sh by toma_bench/gpu_kit/prepare.sh). From the repo root:
 #   bash .device/run.sh [toma_bench.gpu options]             on the GPU machine: python3 with torch (CUDA)
 #   bash .device/run.sh --dry-run [toma_bench.gpu options]   here: the CPU at tiny sizes, in a fresh venv
 # Installs .device/wheels with --no-index (no network) into a temporary folder, points COMFYUI_PATH at
