@@ -47,7 +47,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, flux):
     patched, runtime = attention_scope(pack, flux, ratio=0.1, window=2)
     dit_checks.check_merging_only_permutes(patched, flux, lambda m: sample(m, batch=2, cfg=2.0))
     levels = runtime.summary()["levels"]
-    assert sorted(levels) == ["two-stream 14x20", "joint 14x20"] and all(v["steps"] == 2 for v in levels.values())
+    assert sorted(levels) == ["joint 14x20", "two-stream 14x20"] and all(v["steps"] == 2 for v in levels.values())
 
 
 def test_half_ratio_stays_close_and_differs_from_block_scope(pack, flux):

@@ -41,5 +41,5 @@ def test_a_block_another_node_replaced_stays_as_it_left_it(pack, flux, caplog):
 
     assert dit_checks.dit_patches(patched)[("single_block", 1)] is not None
     assert calls and set(calls) == {77 + 7 * 10}  # the other node's block saw every token, none merged
-    assert sorted(runtime.summary()["levels"]) == ["two-stream 7x10", "joint 7x10"]
+    assert sorted(runtime.summary()["levels"]) == ["joint 7x10", "two-stream 7x10"]
     assert "single_block 1 left unmerged (already patched by another node)" in caplog.text

@@ -77,7 +77,7 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, va
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=temporal_window)
     dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, **inputs))
     frames = 4 if "first_frame" in inputs else 5  # image-to-video v2: the first frame leads unmerged
-    assert sorted(runtime.summary()["levels"]) == [f"two-stream {frames}x7x11", f"joint {frames}x7x11"]
+    assert sorted(runtime.summary()["levels"]) == [f"joint {frames}x7x11", f"two-stream {frames}x7x11"]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -94,7 +94,7 @@ def test_attention_scope_merging_into_every_token_reproduces_the_unpatched_model
     patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, scope="attention")
     dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, **inputs))
     frames = 4 if "first_frame" in inputs else 5
-    assert sorted(runtime.summary()["levels"]) == [f"two-stream {frames}x7x11", f"joint {frames}x7x11"]
+    assert sorted(runtime.summary()["levels"]) == [f"joint {frames}x7x11", f"two-stream {frames}x7x11"]
 
 
 def test_attention_scope_half_ratio_keeps_the_first_frame(pack, model):
@@ -243,7 +243,7 @@ def test_hunyuan_image_latents_merge_as_an_image(pack):
 
     patched, runtime = toma_patched(pack, image_model, ratio=0.05, window=2)
     dit_checks.check_merging_only_permutes(patched, image_model, run)
-    assert sorted(runtime.summary()["levels"]) == ["two-stream 7x9", "joint 7x9"]
+    assert sorted(runtime.summary()["levels"]) == ["joint 7x9", "two-stream 7x9"]
 
 
 @pytest.mark.parametrize("node", ["ToMeSDPatchModel", "CAToMePatchModel"])
@@ -273,5 +273,5 @@ def test_real_latent_with_tiny_width(pack):
                               seed=0, disable_pbar=True)
     assert out.shape == noise.shape and torch.isfinite(out).all()
     levels = runtime.summary()["levels"]
-    assert sorted(levels) == ["two-stream 5x20x32", "joint 5x20x32"]
+    assert sorted(levels) == ["joint 5x20x32", "two-stream 5x20x32"]
     assert all(v["tokens"] == 3200 and abs(v["merged_tokens"] - 1600) <= 100 for v in levels.values())

@@ -1,7 +1,7 @@
 """Flux-architecture speed benchmark: ToMA on a random-weight Flux sampled through ComfyUI's own sampler.
 
     python -m toma_bench.flux [--device auto|cpu|cuda] [--steps 6] [--ratios R,...] [--scopes block,attention]
-                              [--merge-every 1,3] [--repeats 3] [--latent 64x64] [--tokens 256] [--window 4]
+                              [--merge-every 1,3] [--repeats 3] [--latent 64x64] [--tokens 256] [--window-size 4]
                               [--reuse 5] [--threads N]
 
 Speed only. The weights are random (nothing can be downloaded here): the timings are those of the
@@ -123,7 +123,7 @@ def parse_args(argv):
                     help="comma list of the Advanced node's merge_every, integers in [1, 100] (default 1,3)")
     ap.add_argument("--latent", default=None, help="latent HxW (default 128x128 on CUDA, 64x64 on CPU)")
     ap.add_argument("--tokens", type=int, default=None, help="text tokens (default 512 on CUDA, 256 on CPU)")
-    ap.add_argument("--window", type=int, default=4,
+    ap.add_argument("--window-size", type=int, default=4,
                     help="side of ToMA's windows in tokens, the nodes' window_size (default 4)")
     ap.add_argument("--reuse", type=int, default=5, help="steps between destination recomputations (default 5)")
     run.common_arguments(ap, device_help="auto: CUDA when available (full FLUX.1-dev, bf16), else CPU (FLUX_SMALL, fp32)",
@@ -131,8 +131,8 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.steps < 2 or args.repeats < 1:
         ap.error("--steps must be >= 2 and --repeats >= 1")
-    if not 1 <= args.window <= 32 or args.reuse < 1:
-        ap.error("--window must be between 1 and 32 and --reuse >= 1")
+    if not 1 <= args.window_size <= 32 or args.reuse < 1:
+        ap.error("--window-size must be between 1 and 32 and --reuse >= 1")
     args.device = run.resolve_device(ap, args.device)
     cuda = args.device == "cuda"
     # On a 2-core CPU a FLUX_SMALL run of 6 steps costs about 33 s unpatched and 20-28 s merged: with the
@@ -168,13 +168,13 @@ def main(argv=None) -> None:
            "latent": models.structured_latent(1, H, W, seed=0, channels=16),
            "noise": sampling.seeded_noise((1, 16, H, W), 0)}
     variants = variants_of(args.ratios, args.scopes, args.merge_every)
-    patched = [patch(pack, model, v, args.window, args.reuse) for v in variants]
+    patched = [patch(pack, model, v, args.window_size, args.reuse) for v in variants]
     dm = model.model.diffusion_model
     print(run.header("python -m toma_bench.flux", argv, run.device_name(args.device)))
     print(f"Flux architecture: hidden {dm.hidden_size}, {len(dm.double_blocks)} double + {len(dm.single_blocks)} "
           f"single blocks, {str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s)")
     print(f"latent {H}x{W} ({-(-H // 2) * -(-W // 2)} image tokens), {args.tokens} text tokens, {args.steps} "
-          f"euler steps at denoise 0.75, window {args.window}, reuse {args.reuse}; {args.repeats} interleaved "
+          f"euler steps at denoise 0.75, window {args.window_size}, reuse {args.reuse}; {args.repeats} interleaved "
           f"repeats of {len(variants)} variants, medians of whole runs", flush=True)
 
     with torch.inference_mode():

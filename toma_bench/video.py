@@ -1,8 +1,8 @@
 """Wan-architecture video benchmark: ToMA on a random-weight Wan model sampled through ComfyUI's own sampler.
 
     python -m toma_bench.video [--device auto|cpu|cuda] [--sizes 480p:3,480p:9,720p:5] [--scale 2]
-                               [--steps 3] [--ratios 0.25,0.5,0.75] [--temporal 1,2] [--repeats 3]
-                               [--tokens 512] [--window 4] [--reuse 5] [--threads N]
+                               [--steps 3] [--ratios 0.25,0.5,0.75] [--temporal-window 1,2] [--repeats 3]
+                               [--tokens 512] [--window-size 4] [--reuse 5] [--threads N]
     python -m toma_bench.video --stack easycache [--stack-steps 10,4] [--sizes 480p:3] [--repeats 3] ...
 
 CUDA: Wan 2.1 1.3B widths and depth (dim 1536, 12 heads of 128, 30 blocks) in bf16, at the real
@@ -135,9 +135,9 @@ def predicted_speedup(block_share: float, attention_share: float, merged_blocks:
     return 1.0 / (1.0 - block_share * merged_blocks * (1.0 - block))
 
 
-def toma_variant(pack, model, ratio: float, temporal_window: int, window: int, reuse: int):
+def toma_variant(pack, model, ratio: float, temporal_window: int, window_size: int, reuse: int):
     """(patched clone, list that receives each run's summary)."""
-    (patched,) = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(model, ratio, window, reuse,
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(model, ratio, window_size, reuse,
                                                                        temporal_window=temporal_window)
     summaries = []
     pack.nodes.runtime.runtime_of(patched).run_listeners.append(summaries.append)
@@ -152,8 +152,8 @@ def measure(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[
     blocks = len(model.model.diffusion_model.blocks)
     variants = [("unpatched", model, None)]
     for ratio in args.ratios:
-        for temporal in args.temporal:
-            patched, summaries = toma_variant(pack, model, ratio, temporal, args.window, args.reuse)
+        for temporal in args.temporal_window:
+            patched, summaries = toma_variant(pack, model, ratio, temporal, args.window_size, args.reuse)
             variants.append((f"ToMA {ratio:g}, {temporal} frame{'s' if temporal > 1 else ''}", patched, summaries))
 
     with torch.inference_mode():
@@ -228,8 +228,8 @@ def measure_stack(pack, model, config: dict, args, aspect: str, frames: int) -> 
     latent = panned_latent(frames, H, W)
     conditioning = models.wan_conditioning(config, 1, args.tokens, seed=0)
     noise = sampling.seeded_noise((1, 16, frames, H, W), 0)
-    ratio, temporal = args.ratios[0], args.temporal[0]
-    toma_model, _ = toma_variant(pack, model, ratio, temporal, args.window, args.reuse)
+    ratio, temporal = args.ratios[0], args.temporal_window[0]
+    toma_model, _ = toma_variant(pack, model, ratio, temporal, args.window_size, args.reuse)
     built = {"unpatched": model, "ToMA": toma_model, "EasyCache": easycache(model),
              "EasyCache + ToMA": easycache(toma_model)}
     names = {"unpatched": "unpatched", "ToMA": f"ToMA {ratio:g}, {temporal} frame{'s' if temporal > 1 else ''}",
@@ -313,10 +313,10 @@ def parse_args(argv):
                     help="separate mode: whole runs of unpatched, ToMA, EasyCache and EasyCache + ToMA")
     ap.add_argument("--stack-steps", default="10,4", help="--stack: comma-separated step counts (default 10,4)")
     ap.add_argument("--ratios", default=None, help="comma-separated ToMA ratios (default 0.25,0.5,0.75; --stack: one ratio, default 0.5)")
-    ap.add_argument("--temporal", default=None,
+    ap.add_argument("--temporal-window", default=None,
                     help="comma-separated temporal windows in frames (default 1,2; --stack: one window, default 2)")
     ap.add_argument("--tokens", type=int, default=512, help="text tokens (default 512, as Wan's umT5 pads to)")
-    ap.add_argument("--window", type=int, default=4, help="ToMA window side in tokens (default 4)")
+    ap.add_argument("--window-size", type=int, default=4, help="ToMA window side in tokens (default 4)")
     ap.add_argument("--reuse", type=int, default=5, help="steps between destination recomputations (default 5)")
     run.common_arguments(ap, device_help="auto: CUDA when available (Wan 2.1 1.3B, bf16), else CPU (WAN_SMALL, fp32)",
                          repeats_default=3, repeats_help="interleaved runs of every variant (default 3)")
@@ -331,23 +331,24 @@ def parse_args(argv):
     try:
         args.ratios = [float(r) for r in (args.ratios or ("0.5" if args.stack else "0.25,0.5,0.75")).split(",")
                        if r.strip()]
-        args.temporal = [int(t) for t in (args.temporal or ("2" if args.stack else "1,2")).split(",") if t.strip()]
+        temporal = args.temporal_window or ("2" if args.stack else "1,2")
+        args.temporal_window = [int(t) for t in temporal.split(",") if t.strip()]
         args.stack_steps = [int(s) for s in args.stack_steps.split(",") if s.strip()]
     except ValueError:
-        ap.error("--ratios, --temporal and --stack-steps must be comma-separated numbers")
-    if args.stack and (len(args.ratios) != 1 or len(args.temporal) != 1):
-        ap.error("--stack takes one --ratios value and one --temporal value")
+        ap.error("--ratios, --temporal-window and --stack-steps must be comma-separated numbers")
+    if args.stack and (len(args.ratios) != 1 or len(args.temporal_window) != 1):
+        ap.error("--stack takes one --ratios value and one --temporal-window value")
     if args.stack and (not args.stack_steps or not all(s >= 2 for s in args.stack_steps)):
         ap.error("--stack-steps must be step counts >= 2")
     if not args.ratios or not all(0.0 < r <= 0.9 for r in args.ratios):
         ap.error(f"--ratios must be in (0, 0.9], got {args.ratios}")
-    if not args.temporal or not all(1 <= t <= 16 for t in args.temporal):
-        ap.error(f"--temporal must be between 1 and 16, got {args.temporal}")
+    if not args.temporal_window or not all(1 <= t <= 16 for t in args.temporal_window):
+        ap.error(f"--temporal-window must be between 1 and 16, got {args.temporal_window}")
     args.scale = args.scale or (1 if cuda else 2)
     if args.steps < 2 or args.repeats < 1 or args.scale < 1 or args.tokens < 1:
         ap.error("--steps must be >= 2, --repeats, --scale and --tokens >= 1")
-    if not 1 <= args.window <= 32 or args.reuse < 1:
-        ap.error("--window must be between 1 and 32 and --reuse >= 1")
+    if not 1 <= args.window_size <= 32 or args.reuse < 1:
+        ap.error("--window-size must be between 1 and 32 and --reuse >= 1")
     return args
 
 
@@ -368,11 +369,11 @@ def main(argv=None) -> None:
     setting = (f"Wan architecture: dim {config['dim']}, {config['num_heads']} heads, {config['num_layers']} blocks, "
                f"{str(dtype).removeprefix('torch.')}, random weights (built in {built:.0f} s); {args.tokens} text tokens, ")
     print(run.header("python -m toma_bench.video", argv, run.device_name(args.device)))
-    print(setting + (f"{args.steps} euler steps at denoise 0.75, cfg 1, window {args.window}, reuse {args.reuse}; "
+    print(setting + (f"{args.steps} euler steps at denoise 0.75, cfg 1, window {args.window_size}, reuse {args.reuse}; "
                      f"{args.repeats} interleaved repeats, median of {args.repeats * (args.steps - 1)} steps per variant"
                      if not args.stack else
                      f"text-to-video from noise (denoise 1), euler, simple scheduler, cfg 1; {args.stack_steps} steps; "
-                     f"ToMA window {args.window}, reuse {args.reuse}; EasyCache reuse_threshold 0.2, start_percent "
+                     f"ToMA window {args.window_size}, reuse {args.reuse}; EasyCache reuse_threshold 0.2, start_percent "
                      f"0.15, end_percent 0.95; {args.repeats} interleaved repeats, median of {args.repeats} whole runs "
                      "per variant"), flush=True)
     if args.stack:

@@ -106,15 +106,15 @@ class RunReport:
     wall_seconds: float | None
 
     def summary(self) -> dict:
-        """The report as JSON (stats message, run listeners): levels by label, each with its fields."""
+        """The report as JSON (stats message, run listeners): levels by label, each with its fields, in
+        the order they first merged in the run (a model's block order)."""
         return {
             "method": self.method,
             "levels": {level.label: {"tokens": s.tokens, "merged_tokens": s.merged_tokens, "steps": len(s.steps),
                                      **level.fields()}
-                       for level, s in sorted(self.levels.items(), key=lambda item: item[0].label)},
+                       for level, s in self.levels.items()},
             "nothing_merges": list(self.nothing_merges),
-            "left_to": {level.label: left._asdict()
-                        for level, left in sorted(self.left_to.items(), key=lambda item: item[0].label)},
+            "left_to": {level.label: left._asdict() for level, left in self.left_to.items()},
             "seconds": self.seconds,
             "clock": self.clock,
             "wall_seconds": self.wall_seconds,
