@@ -114,7 +114,8 @@ def test_real_1024_latent_with_tiny_width(pack):
     patched, runtime = dit_checks.toma_patched(pack, models.build_qwen_image(seed=12, config=config))
     out = sample(patched, (128, 128), tokens=256, steps=1)
     assert out.shape == (1, 16, 1, 128, 128) and torch.isfinite(out).all()
-    assert runtime.summary()["levels"] == {"two-stream 64x64": {"tokens": 4096, "merged_tokens": 2048, "steps": 1}}
+    assert runtime.summary()["levels"] == {"two-stream 64x64": {"tokens": 4096, "merged_tokens": 2048, "steps": 1,
+                                                                "group": "two-stream", "grid": [64, 64]}}
 
 
 def test_unsupported_family_is_returned_unpatched_with_a_message(pack, caplog):

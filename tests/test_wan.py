@@ -116,7 +116,8 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, built, va
     dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, variant, frames=frames, batch=2, cfg=2.0))
     levels = runtime.summary()["levels"]
     t, h, w = token_grid(frames, SIZES["square"], variant)
-    assert levels == {f"video {t}x{h}x{w}": {"tokens": t * h * w, "merged_tokens": t * h * w, "steps": 2}}
+    assert levels == {f"video {t}x{h}x{w}": {"tokens": t * h * w, "merged_tokens": t * h * w, "steps": 2,
+                                             "group": "video", "grid": [t, h, w]}}
 
 
 @pytest.mark.parametrize("variant", ["i2v", "ti2v", "reference", "phantom", "vace", "camera", "animate"])
@@ -247,7 +248,8 @@ def test_real_480p_latent_with_tiny_width(pack):
     patched, runtime = toma_patched(pack, model)
     out = sample(patched, frames=2, hw=(60, 104), steps=1, config=config)
     assert out.shape == (1, 16, 2, 60, 104) and torch.isfinite(out).all()
-    assert runtime.summary()["levels"] == {"video 2x30x52": {"tokens": 3120, "merged_tokens": 1560, "steps": 1}}
+    assert runtime.summary()["levels"] == {"video 2x30x52": {"tokens": 3120, "merged_tokens": 1560, "steps": 1,
+                                                             "group": "video", "grid": [2, 30, 52]}}
 
 
 @pytest.mark.parametrize("variant,why", [("s2v", "without transformer_options"), ("humo", "equal runs per frame")])
