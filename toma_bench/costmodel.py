@@ -55,6 +55,7 @@ class Spec:
     steps: int = 15  # a whole period of both reuse 5 and merge_every 3: the same per-step mix as 30 or 45
     cfg: float = 5.0
     unet: bool = False
+    mask_share: float | None = None  # a model that indexes by data-dependent masks: the share each selects
 
 
 SD35_LARGE = {
@@ -106,6 +107,12 @@ SPECS = {s.name: s for s in (
     Spec("hunyuan_video15", "HunyuanVideo 1.5 720p x 121 frames (111,600 video + 256 text tokens), CFG 6",
          "HunyuanVideo15", models.HUNYUAN_VIDEO15_FULL, (1, 32, 31, 45, 80), _text(3584, 256, pooled_output=None),
          cfg=6.0),
+    # HiDream-I1 Full: CFG 5 (Dev and Fast, distilled from it, run CFG 1); 128 T5 and 128 Llama tokens, with
+    # the Llama-3.1 text before each block's own Llama layer: 384 text tokens per block
+    Spec("hidream", "HiDream-I1 Full 1024x1024 (4096 image + 384 text tokens), CFG batch 2", "HiDream",
+         models.HIDREAM_FULL, (1, 16, 128, 128),
+         lambda: models.hidream_conditioning(models.HIDREAM_FULL, 1, 128, SEED, llama_layers=32),
+         mask_share=1 / models.HIDREAM_FULL["num_routed_experts"]),
 )}
 UNET_MODELS = ("sd15", "sdxl")
 UNET_LEVEL_TOKENS = 64 * 64  # of the level the baselines merge: 1/1 of SD1.5 at 512, 1/2 of SDXL at 1024
@@ -294,6 +301,7 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
             sigmas = run_sigmas(model, n)
             with recording() as rec:
                 rec.meta_scalar = variant.meta_scalar
+                rec.meta_mask_share = spec.mask_share
                 holder["rec"] = rec
                 for runtime in runtimes:
                     runtime.stages.listeners[:] = [rec.stage_listener]
