@@ -296,6 +296,12 @@ def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
     return _patcher(_random_dit(comfy.supported_models.LTXV(dict(config or LTXV_TINY)), seed, dtype, device))
 
 
+# LTX-2 19B (LTXAVModel, ComfyUI of 2026; its class defaults): 48 blocks, video 32 heads x 128 over 128 latent
+# channels, audio 32 heads x 64 over its 8 x 16 audio latent; text from Gemma-3-12B (3840) through LTX-2's
+# video and audio connectors, concatenated (2 x 3840).
+LTX2_FULL = {"image_model": "ltxav", "in_channels": 128, "audio_in_channels": 128, "cross_attention_dim": 4096,
+             "audio_cross_attention_dim": 2048, "attention_head_dim": 128, "audio_attention_head_dim": 64,
+             "num_attention_heads": 32, "audio_num_attention_heads": 32, "caption_channels": 3840, "num_layers": 48}
 # LTX-2 (LTXAVModel, ComfyUI of 2026), tiny, for tests: 3 blocks (all merge), video 2 heads x 16 over 16 latent
 # channels, audio 2 heads x 8 over LTX-2's 8 x 16 audio latent; each cross-attention as wide as its stream.
 LTX2_TINY = {"image_model": "ltxav", "in_channels": 16, "audio_in_channels": 128, "cross_attention_dim": 32,
