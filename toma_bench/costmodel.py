@@ -9,7 +9,9 @@ node can express, ToMeSD, CA-ToMe, ComfyUI's ToMe), one sampling run goes throug
 CFG batched as ComfyUI batches it; every aten op of every model call is recorded (toma_bench.oprecord),
 so steps that select destinations and steps that reuse them are weighed as the node's schedule has them;
 the ops are then priced by a hardware profile (toma_bench.gpuclock). A run of one step first fills the
-pack's per-process host caches (plan geometry), which a real run pays once.
+pack's per-process host caches (plan geometry), which a real run pays once. LTX-2, whose classes come from
+another tree (toma_bench.ltx2_source) and whose [video, audio] latent the host's sampler cannot carry, has
+its model called as that tree's sampler calls it (drive_ltx2).
 
 This is a model until a GPU run checks it: the GPU kit (toma_bench/gpu_kit, toma_bench.gpu) measures the
 same variants and prints predicted against measured.
