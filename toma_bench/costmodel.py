@@ -48,7 +48,8 @@ class OtherTree:
     the host's sampler cannot carry (LTX-2: toma_bench.ltx2_source). missing: () -> why its classes cannot
     be loaded here, or None; classes: () -> a context in which they are loaded, yielding the module of
     unet_model, the diffusion model's class (in a plain flow-matching BaseModel); drive: (model, spec,
-    sigmas) -> None, the model calls of one sampling run, made as that tree's sampler makes them."""
+    sigmas, recording, runtimes) -> None, the model calls of one sampling run, made as that tree's sampler
+    makes them."""
 
     missing: Callable
     classes: Callable
@@ -98,6 +99,9 @@ def _text(dim: int, tokens: int, **options):
                                             attention_mask=torch.ones(1, tokens, dtype=torch.long), **options)
 
 
+LTX2_FRAME_RATE = 24  # LTX-2's templates: 121 frames at 24 fps, 127 audio latents (25 a second)
+
+
 def drive_ltx2(model, spec: Spec, sigmas: torch.Tensor, rec, runtimes: list) -> None:
     """LTX-2's model calls of one run, as the February-2026 tree's sampler makes them (the host's sampler
     cannot carry its [video, audio] latent): the patched clone loaded, each runtime told the run's sigmas
@@ -128,7 +132,6 @@ def drive_ltx2(model, spec: Spec, sigmas: torch.Tensor, rec, runtimes: list) -> 
         runtime.end_run()
 
 
-LTX2_FRAME_RATE = 24  # LTX-2's templates: 121 frames at 24 fps, 127 audio latents (25 a second)
 LTX2_TREE = OtherTree(ltx2_source.missing, ltx2_source.lightricks_modules, "LTXAVModel", drive_ltx2)
 
 
