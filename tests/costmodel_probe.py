@@ -72,6 +72,23 @@ def main():
         out["flux"] = {r.label: {"attention_keys": sorted({op.key_len for call in r.calls for op in call
                                                            if op.cls.startswith("attention")}),
                                  "merged": r.merged} for r in recorded}
+    # the real rows of the 2026 families that record otherwise than through the host's sampler, at a tiny size
+    toma = [costmodel.Variant("unpatched", patch=lambda m: m),
+            costmodel.Variant("ToMA r=0.5", patch=lambda m: tn.ToMAPatchModel().patch(m, 0.5, 4, 5)[0])]
+    tiny = {"hidream": dict(config=models.HIDREAM_TINY, latent=(1, 16, 16, 16),
+                            conditioning=lambda: models.hidream_conditioning(models.HIDREAM_TINY, 1, 16, 0)),
+            "ltx2": dict(config=models.LTX2_TINY, latent=((1, 16, 5, 5, 7), (1, 8, 9, 16)),
+                         conditioning=lambda: models.text_conditioning(2 * models.LTX2_TINY["caption_channels"], 1, 11, 0))}
+    for name, size in tiny.items():
+        row = dataclasses.replace(costmodel.SPECS[name], steps=5, **size)
+        if not comfy_host.is_current_comfy() or costmodel.missing(row):
+            continue
+        recorded = costmodel.record_model(row, pack, 5, toma, progress=lambda _: None)
+        out[name] = {r.label: {"attention_keys": sorted({op.key_len for call in r.calls for op in call
+                                                         if op.cls.startswith("attention")}),
+                               "calls": len(r.calls), "merged": r.merged,
+                               "syncs_per_call": [sum(op.sync for op in call) for call in r.calls]}
+                     for r in recorded}
     print(json.dumps(out))
 
 

@@ -2,7 +2,8 @@
 
 Recording runs in a subprocess (tests/costmodel_probe.py, tiny models through the cost model's own code):
 the cost model needs ComfyUI imported with PyTorch attention, which the in-process fixture does not choose.
-Both hosts: the pinned tree (UNets) and COMFYUI_PATH (plus Flux where the tree has it).
+Both hosts: the pinned tree (UNets) and COMFYUI_PATH (plus Flux where the tree has it, HiDream and LTX-2 in
+the Nov-2025 tree, at tiny sizes through their real rows' code).
 """
 import json
 import os
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from toma_bench import comfy_host, costmodel, gpuclock
-from toma_bench.oprecord import ATTENTION, ATTENTION_MASKED, Op
+import torch
+
+from toma_bench import comfy_host, costmodel, gpuclock, models
+from toma_bench.oprecord import ATTENTION, ATTENTION_MASKED, Op, recording
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.comfy
@@ -91,7 +94,58 @@ def test_flux_joint_attention_has_merged_image_tokens(probe):
     assert 48 in probe["flux"]["ToMA r=0.5"]["attention_keys"]
 
 
+def test_hidream_row_routes_its_experts_evenly(probe):
+    if "hidream" not in probe:
+        pytest.skip("no HiDream in this ComfyUI tree (COMFYUI_PATH=.comfyui-newest has it)")
+    unpatched, toma = probe["hidream"]["unpatched"], probe["hidream"]["ToMA r=0.5"]
+    # each of the 3 blocks' feed-forward selects its 4 experts' tokens by mask, reads and writes: 24 counts
+    # read back per call; the patched run adds the pack's read of the step's sigma
+    assert unpatched["calls"] == 5 and set(unpatched["syncs_per_call"]) == {24}
+    assert set(toma["syncs_per_call"]) == {25}
+    # 8x8 image tokens, 16 T5 + 16 Llama tokens before each block's 16 of its own Llama layer (the blocks
+    # that never merge keep all 64)
+    assert unpatched["attention_keys"] == [64 + 48] and toma["attention_keys"] == [32 + 48, 64 + 48]
+    assert sorted(m[1:] for m in toma["merged"]) == [[64, 32], [64, 32]]
+
+
+def test_ltx2_row_calls_its_model_as_its_sampler_does(probe):
+    if "ltx2" not in probe:
+        pytest.skip("no LTX-2 here: a current ComfyUI tree and toma_bench/ltx2_source.py's mirror")
+    unpatched, toma = probe["ltx2"]["unpatched"], probe["ltx2"]["ToMA r=0.5"]
+    assert unpatched["calls"] == toma["calls"] == 5
+    # video 5x5x7 = 175 tokens, audio 9, text 11: the video self-attention's keys merge to half; the audio,
+    # the text and the video keys of the video-to-audio attention never merge
+    assert unpatched["attention_keys"] == [9, 11, 175] and toma["attention_keys"] == [9, 11, 88, 175]
+    assert toma["merged"] == [["video 5x5x7", 175, 88]]
+    # the pack reads the step's sigma once per call; the model itself never waits
+    assert set(toma["syncs_per_call"]) == {1} and set(unpatched["syncs_per_call"]) == {0}
+
+
+def test_every_family_of_2026_has_a_row_at_its_usual_size():
+    rows = {spec.model_config: spec for spec in costmodel.SPECS.values()}
+    assert {"ZImage", "Flux2", "HunyuanVideo15", "HiDream", "LTXV"} <= set(rows)
+    ltx2 = [spec for spec in costmodel.SPECS.values() if spec.config is models.LTX2_FULL]
+    # the template's two passes of 121 frames at 24 fps: 16 latent frames, 127 audio latents (25 a second)
+    assert {spec.latent for spec in ltx2} == {((1, 128, 16, 11, 20), (1, 8, 127, 16)),
+                                               ((1, 128, 16, 22, 40), (1, 8, 127, 16))}
+    assert all(spec.tree is costmodel.LTX2_TREE for spec in ltx2)
+
+
 # -- pricing (no ComfyUI) ---------------------------------------------------------------------------------
+def test_a_mask_index_on_meta_selects_its_share_and_waits_for_the_count():
+    x, mask = torch.empty(8, 4, device="meta"), torch.empty(8, dtype=torch.bool, device="meta")
+    with recording() as rec:
+        rec.meta_mask_share = 0.25
+        with rec.model_call():
+            picked = x[mask]
+            x[mask] = picked
+    assert picked.shape == (2, 4)
+    assert [op.name for op in rec.calls[0] if op.sync] == ["nonzero", "nonzero"]
+    with pytest.raises(RuntimeError, match="meta_mask_share"), recording() as rec:
+        with rec.model_call():
+            x[mask]
+
+
 def op(cls="elementwise", flops=0, nbytes=0, kernel=True, sync=False, key_len=0, stage=None):
     return Op("x", cls, flops, nbytes, kernel, sync, key_len, stage)
 

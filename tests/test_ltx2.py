@@ -2,38 +2,22 @@
 through the node's patch; the conformance table's checks for it, and what is LTX-2's own (the audio, the
 video-to-audio attention, per-frame compressed timesteps).
 
-Where LTX-2 is: a pip-installable ComfyUI fork of February 2026 (hiddenswitch/pip-and-uv-installable-ComfyUI),
-whose tree cannot host the tests: its ``comfy`` is an installed package of another layout (no top-level
-nodes.py, folder_paths, server or execution: they live in comfy.cmd and comfy.nodes) and imports some 100
-dependencies the test venv lacks (configargparse and humanize at comfy.model_management and
-comfy.model_patcher, and jax, lightning, opentelemetry...). So this module takes the three files of
-``comfy/ldm/lightricks`` LTX-2 needs (model.py, av_model.py, symmetric_patchifier.py) from a bare git
-mirror of that tree (COMFYUI_LTX2_MIRROR, default ../.mirror/hiddenswitch+pip-and-uv-installable-ComfyUI/repo
-beside this checkout) into a temporary folder, and loads them in place of the host tree's
-``comfy.ldm.lightricks`` modules while it runs (current ComfyUI or later; nothing of them is kept in the
-repository). The host's sampler has no LTX-2 latent (a [video, audio] pair), so the model is called as the
-sampler calls it: the patched clone loaded, its wrappers in transformer_options, the step's sigma there.
+Where LTX-2 is, and how its classes are loaded: toma_bench/ltx2_source.py (the February-2026 fork cannot
+host the tests; its three comfy/ldm/lightricks files replace the host's while this module runs). The host's
+sampler has no LTX-2 latent (a [video, audio] pair), so the model is called as the sampler calls it: the
+patched clone loaded, its wrappers in transformer_options, the step's sigma there.
 
 Latents: video 16 channels x frames x 5 x 7 (odd, non-square; patch size 1), audio 8 x 9 x 16 (9 tokens).
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import dit_checks
-from toma_bench import comfy_host, models
+from toma_bench import comfy_host, ltx2_source, models
 from toma_bench.metrics import relative_l2
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
 
-REPO = Path(__file__).resolve().parent.parent
-MIRROR = Path(os.environ.get("COMFYUI_LTX2_MIRROR",
-                             REPO.parent / ".mirror" / "hiddenswitch+pip-and-uv-installable-ComfyUI" / "repo"))
-MODULES = ("symmetric_patchifier", "model", "av_model")  # in import order
 H, W, AUDIO_TOKENS, TEXT = 5, 7, 9, 11
 CONFIG = models.LTX2_TINY
 EXACT = {"ratio": 0.1, "window": 2, "temporal_window": 1}  # every token of a window a destination
@@ -41,43 +25,13 @@ SIGMA = 0.8
 
 
 @pytest.fixture(scope="module")
-def ltx2_classes(pack, tmp_path_factory):
+def ltx2_classes(pack):
     """The February-2026 comfy.ldm.lightricks modules in sys.modules while this module runs."""
-    import comfy.ldm.lightricks.model  # noqa: F401  (the host's package, whose modules are swapped)
-
-    if not MIRROR.is_dir():
-        pytest.skip(f"no LTX-2 tree: set COMFYUI_LTX2_MIRROR to a bare git dir of "
-                    f"hiddenswitch/pip-and-uv-installable-ComfyUI (looked at {MIRROR})")
-    folder = tmp_path_factory.mktemp("ltx2_lightricks")
-    names = [f"comfy.ldm.lightricks.{name}" for name in MODULES]
-    saved = {name: sys.modules.get(name) for name in names}
-    try:
-        for name, short in zip(names, MODULES):
-            source = subprocess.run(["git", "--git-dir", str(MIRROR), "show", f"HEAD:comfy/ldm/lightricks/{short}.py"],
-                                    check=True, capture_output=True, text=True).stdout
-            (folder / f"{short}.py").write_text(source)
-            spec = importlib_spec(name, folder / f"{short}.py")
-            module = sys.modules[name] = importlib_module(spec)
-            spec.loader.exec_module(module)
-        yield sys.modules["comfy.ldm.lightricks.av_model"]
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-
-
-def importlib_spec(name, path):
-    import importlib.util
-
-    return importlib.util.spec_from_file_location(name, path)
-
-
-def importlib_module(spec):
-    import importlib.util
-
-    return importlib.util.module_from_spec(spec)
+    reason = ltx2_source.missing()
+    if reason:
+        pytest.skip(reason)
+    with ltx2_source.lightricks_modules() as av_model:
+        yield av_model
 
 
 @pytest.fixture(scope="module")

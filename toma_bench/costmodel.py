@@ -9,7 +9,9 @@ node can express, ToMeSD, CA-ToMe, ComfyUI's ToMe), one sampling run goes throug
 CFG batched as ComfyUI batches it; every aten op of every model call is recorded (toma_bench.oprecord),
 so steps that select destinations and steps that reuse them are weighed as the node's schedule has them;
 the ops are then priced by a hardware profile (toma_bench.gpuclock). A run of one step first fills the
-pack's per-process host caches (plan geometry), which a real run pays once.
+pack's per-process host caches (plan geometry), which a real run pays once. LTX-2, whose classes come from
+another tree (toma_bench.ltx2_source) and whose [video, audio] latent the host's sampler cannot carry, has
+its model called as that tree's sampler calls it (drive_ltx2).
 
 This is a model until a GPU run checks it: the GPU kit (toma_bench/gpu_kit, toma_bench.gpu) measures the
 same variants and prints predicted against measured.
@@ -29,7 +31,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from . import comfy_host, models, run
+from . import comfy_host, ltx2_source, models, run
 from .run import comfy_tome
 from .gpuclock import PROFILES, Hardware, call_cost, profile, swept
 from .oprecord import recording, to_meta
@@ -41,10 +43,26 @@ DTYPE = torch.bfloat16
 
 # -- the models ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class OtherTree:
+    """A model whose classes come from another ComfyUI tree, loaded in place of the host's, and whose latent
+    the host's sampler cannot carry (LTX-2: toma_bench.ltx2_source). missing: () -> why its classes cannot
+    be loaded here, or None; classes: () -> a context in which they are loaded, yielding the module of
+    unet_model, the diffusion model's class (in a plain flow-matching BaseModel); drive: (model, spec,
+    sigmas, recording, runtimes) -> None, the model calls of one sampling run, made as that tree's sampler
+    makes them."""
+
+    missing: Callable
+    classes: Callable
+    unet_model: str
+    drive: Callable
+
+
+@dataclass(frozen=True)
 class Spec:
     """One real-size model as users run it. model_config: the name of ComfyUI's supported_models class
     (its absence means the tree has no such model); config: its unet_config; latent: the empty latent's
-    shape; conditioning: () -> (positive, negative); cfg above 1 batches cond and uncond."""
+    shape (LTX-2: the video's and the audio's); conditioning: () -> (positive, negative); cfg above 1
+    batches cond and uncond; tree: where the model is not the host's (OtherTree)."""
 
     name: str
     title: str
@@ -55,6 +73,8 @@ class Spec:
     steps: int = 15  # a whole period of both reuse 5 and merge_every 3: the same per-step mix as 30 or 45
     cfg: float = 5.0
     unet: bool = False
+    mask_share: float | None = None  # a model that indexes by data-dependent masks: the share each selects
+    tree: OtherTree | None = None
 
 
 SD35_LARGE = {
@@ -77,6 +97,48 @@ def _text(dim: int, tokens: int, **options):
     """Seeded text features of ``dim`` x ``tokens`` with ``options`` (and an all-ones attention mask)."""
     return lambda: models.text_conditioning(dim, 1, tokens, SEED,
                                             attention_mask=torch.ones(1, tokens, dtype=torch.long), **options)
+
+
+LTX2_FRAME_RATE = 24  # LTX-2's templates: 121 frames at 24 fps, 127 audio latents (25 a second)
+
+
+def drive_ltx2(model, spec: Spec, sigmas: torch.Tensor, rec, runtimes: list) -> None:
+    """LTX-2's model calls of one run, as the February-2026 tree's sampler makes them (the host's sampler
+    cannot carry its [video, audio] latent): the patched clone loaded, each runtime told the run's sigmas
+    (as the pack's OUTER_SAMPLE wrapper is), the clone's wrappers and the step's sigma in
+    transformer_options, cond and uncond batched above CFG 1, each call recorded by ``rec``. The model's
+    inputs are on meta; the sigmas stay on the CPU, where the pack reads its step."""
+    import comfy.model_management
+    import comfy.patcher_extension
+
+    positive, negative = spec.conditioning()
+    context = positive[0][0] if spec.cfg == 1 else torch.cat([positive[0][0], negative[0][0]])
+    batch = context.shape[0]
+    video, audio = (torch.empty(batch, *shape[1:], device="meta", dtype=DTYPE) for shape in spec.latent)
+    context = to_meta(context).to(DTYPE)
+    comfy.model_management.load_models_gpu([model])
+    for runtime in runtimes:
+        runtime.begin_run([float(s) for s in sigmas], model.get_model_object("model_sampling"))
+    options = dict(model.model_options.get("transformer_options", {}))
+    options["wrappers"] = comfy.patcher_extension.merge_nested_dicts({}, model.wrappers)
+    options["sample_sigmas"] = sigmas
+    with torch.no_grad():
+        for sigma in sigmas[:-1]:
+            options["sigmas"] = sigma.expand(batch)
+            with rec.model_call():
+                model.model.diffusion_model([video, audio], to_meta(sigma.expand(batch)), context, None,
+                                            frame_rate=LTX2_FRAME_RATE, transformer_options=dict(options))
+    for runtime in runtimes:
+        runtime.end_run()
+
+
+LTX2_TREE = OtherTree(ltx2_source.missing, ltx2_source.lightricks_modules, "LTXAVModel", drive_ltx2)
+
+
+def _ltx2_text():
+    """LTX-2's text: Gemma-3-12B tokens padded by its connectors' registers to 1024, video and audio
+    contexts side by side (2 x 3840)."""
+    return models.text_conditioning(2 * models.LTX2_FULL["caption_channels"], 1, 1024, SEED)
 
 
 SPECS = {s.name: s for s in (
@@ -106,28 +168,52 @@ SPECS = {s.name: s for s in (
     Spec("hunyuan_video15", "HunyuanVideo 1.5 720p x 121 frames (111,600 video + 256 text tokens), CFG 6",
          "HunyuanVideo15", models.HUNYUAN_VIDEO15_FULL, (1, 32, 31, 45, 80), _text(3584, 256, pooled_output=None),
          cfg=6.0),
+    # HiDream-I1 Full: CFG 5 (Dev and Fast, distilled from it, run CFG 1); 128 T5 and 128 Llama tokens, with
+    # the Llama-3.1 text before each block's own Llama layer: 384 text tokens per block
+    Spec("hidream", "HiDream-I1 Full 1024x1024 (4096 image + 384 text tokens), CFG batch 2", "HiDream",
+         models.HIDREAM_FULL, (1, 16, 128, 128),
+         lambda: models.hidream_conditioning(models.HIDREAM_FULL, 1, 128, SEED, llama_layers=32),
+         mask_share=1 / models.HIDREAM_FULL["num_routed_experts"]),
+    # LTX-2's text-to-video template (1280x720, 121 frames at 24 fps) samples twice: 20 steps at half size
+    # with CFG 4, then, upscaled, 3 steps with CFG 1 (the distilled LoRA). Its blocks are called as the
+    # tree that has it calls them (drive_ltx2), past the host's sampler
+    Spec("ltx2", "LTX-2 19B, the template's first pass: 640x360 x 121 frames (3,520 video + 127 audio + 1,024 "
+         "text tokens), CFG batch 2 (CFG 4); model called directly, as tests/test_ltx2.py does", "LTXV",
+         models.LTX2_FULL, ((1, 128, 16, 11, 20), (1, 8, 127, 16)), _ltx2_text, cfg=4.0, tree=LTX2_TREE),
+    Spec("ltx2_hires", "LTX-2 19B, the template's second pass: 1280x720 x 121 frames (14,080 video + 127 audio "
+         "+ 1,024 text tokens), CFG 1; model called directly, as tests/test_ltx2.py does", "LTXV",
+         models.LTX2_FULL, ((1, 128, 16, 22, 40), (1, 8, 127, 16)), _ltx2_text, steps=3, cfg=1.0, tree=LTX2_TREE),
 )}
 UNET_MODELS = ("sd15", "sdxl")
 UNET_LEVEL_TOKENS = 64 * 64  # of the level the baselines merge: 1/1 of SD1.5 at 512, 1/2 of SDXL at 1024
 
 
-def build_meta(spec: Spec):
+def build_meta(spec: Spec, unet_model=None):
     """A ModelPatcher around ``spec``'s model with its weights on the meta device (shapes, no data);
-    sampler-side tensors stay on the CPU, so the pack reads its step as it does on a GPU."""
+    sampler-side tensors stay on the CPU, so the pack reads its step as it does on a GPU. unet_model: the
+    diffusion model's class of a model from another tree (in a plain flow-matching BaseModel)."""
+    import comfy.model_base
     import comfy.model_patcher
     import comfy.supported_models
 
     model_config = getattr(comfy.supported_models, spec.model_config)(dict(spec.config))
     model_config.set_inference_dtype(DTYPE, None)
-    base = model_config.get_model({}, device="meta")
+    if unet_model is None:
+        base = model_config.get_model({}, device="meta")
+    else:
+        base = comfy.model_base.BaseModel(model_config, comfy.model_base.ModelType.FLUX, device="meta",
+                                          unet_model=unet_model)
     cpu = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
 
 
-def available(spec: Spec) -> bool:
+def missing(spec: Spec) -> str | None:
+    """Why this ComfyUI tree cannot build ``spec``'s model, or None."""
     import comfy.supported_models
 
-    return hasattr(comfy.supported_models, spec.model_config)
+    if not hasattr(comfy.supported_models, spec.model_config):
+        return f"this ComfyUI tree has no {spec.model_config}"
+    return spec.tree.missing() if spec.tree else None
 
 
 # -- the variants ----------------------------------------------------------------------------------------
@@ -283,8 +369,6 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
 
     model = model.clone()
     model.set_model_unet_function_wrapper(wrapper)
-    positive, negative = spec.conditioning()
-    latent = torch.zeros(spec.latent)
     sampler = comfy.samplers.KSAMPLER(probe_sampler)
     failed = FailedPlans()
     logger = logging.getLogger("ComfyUI-ToMA")
@@ -294,11 +378,17 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
             sigmas = run_sigmas(model, n)
             with recording() as rec:
                 rec.meta_scalar = variant.meta_scalar
+                rec.meta_mask_share = spec.mask_share
                 holder["rec"] = rec
                 for runtime in runtimes:
                     runtime.stages.listeners[:] = [rec.stage_listener]
-                comfy.sample.sample_custom(model, latent, spec.cfg, sampler, sigmas, positive, negative, latent,
-                                           disable_pbar=True, seed=SEED)
+                if spec.tree is None:
+                    positive, negative = spec.conditioning()
+                    latent = torch.zeros(spec.latent)
+                    comfy.sample.sample_custom(model, latent, spec.cfg, sampler, sigmas, positive, negative, latent,
+                                               disable_pbar=True, seed=SEED)
+                else:
+                    spec.tree.drive(model, spec, sigmas, rec, runtimes)
             holder.clear()
     finally:
         logger.removeHandler(failed)
@@ -449,9 +539,9 @@ def parse_args(argv):
 
 
 def record_model(spec: Spec, pack, steps: int, variants=None, progress=print) -> list[Recorded]:
-    base = build_meta(spec)
     out = []
-    with meta_sampling():
+    with spec.tree.classes() if spec.tree else contextlib.nullcontext() as module, meta_sampling():
+        base = build_meta(spec, getattr(module, spec.tree.unet_model) if spec.tree else None)
         for variant in variants or variants_for(spec.name, pack):
             started = time.perf_counter()
             out.append(record_variant(base, spec, variant, pack, steps))
@@ -470,8 +560,9 @@ def main(argv=None) -> None:
         print(f"# profile {hw.name}: {hw.source or 'from a file'}")
     for name in args.models:
         spec = SPECS[name]
-        if not available(spec):
-            print(f"\n## {name}: skipped (this ComfyUI tree has no {spec.model_config})")
+        reason = missing(spec)
+        if reason:
+            print(f"\n## {name}: skipped ({reason})")
             continue
         steps = args.steps or spec.steps
         recorded = record_model(spec, pack, steps, progress=lambda line: print(line, file=sys.stderr))

@@ -296,6 +296,12 @@ def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
     return _patcher(_random_dit(comfy.supported_models.LTXV(dict(config or LTXV_TINY)), seed, dtype, device))
 
 
+# LTX-2 19B (LTXAVModel, ComfyUI of 2026; its class defaults): 48 blocks, video 32 heads x 128 over 128 latent
+# channels, audio 32 heads x 64 over its 8 x 16 audio latent; text from Gemma-3-12B (3840) through LTX-2's
+# video and audio connectors, concatenated (2 x 3840).
+LTX2_FULL = {"image_model": "ltxav", "in_channels": 128, "audio_in_channels": 128, "cross_attention_dim": 4096,
+             "audio_cross_attention_dim": 2048, "attention_head_dim": 128, "audio_attention_head_dim": 64,
+             "num_attention_heads": 32, "audio_num_attention_heads": 32, "caption_channels": 3840, "num_layers": 48}
 # LTX-2 (LTXAVModel, ComfyUI of 2026), tiny, for tests: 3 blocks (all merge), video 2 heads x 16 over 16 latent
 # channels, audio 2 heads x 8 over LTX-2's 8 x 16 audio latent; each cross-attention as wide as its stream.
 LTX2_TINY = {"image_model": "ltxav", "in_channels": 16, "audio_in_channels": 128, "cross_attention_dim": 32,
@@ -535,6 +541,14 @@ def build_hunyuan_video15(seed: int = 0, dtype: torch.dtype = torch.float32, con
     return _patcher(_random_dit(family(dict(config or default)), seed, dtype, device))
 
 
+# HiDream-I1 (17B; Full, Dev and Fast share it), as ComfyUI's model_detection reads it: 16 double-stream and 32
+# single-stream blocks of 20 heads x 128, a mixture of 4 routed experts (2 active) beside a shared one; text
+# from T5-XXL and every layer of Llama-3.1-8B (each block takes one), pooled CLIP-L + CLIP-G (2048).
+HIDREAM_FULL = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 16,
+                "num_single_layers": 32, "attention_head_dim": 128, "num_attention_heads": 20,
+                "caption_channels": [4096, 4096], "text_emb_dim": 2048, "num_routed_experts": 4,
+                "num_activated_experts": 2, "axes_dims_rope": [64, 32, 32], "max_resolution": [128, 128],
+                "llama_layers": list(range(32)) + [31] * 16}
 # HiDream-I1 (17B), tiny, for tests: one double-stream and two single-stream blocks (all of them merge), each
 # given its own Llama layer.
 HIDREAM_TINY = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1,
@@ -551,16 +565,18 @@ def build_hidream(seed: int = 0, dtype: torch.dtype = torch.float32, config: dic
     return _patcher(_random_dit(comfy.supported_models.HiDream(dict(config or HIDREAM_TINY)), seed, dtype, device))
 
 
-def hidream_conditioning(config: dict, batch: int = 1, tokens: int = 77, seed: int = 0):
+def hidream_conditioning(config: dict, batch: int = 1, tokens: int = 77, seed: int = 0, llama_layers: int | None = None):
     """(positive, negative) CONDITIONING for a model built by build_hidream from ``config``: T5 tokens
-    (batch, tokens, caption_channels[0]), the pooled vector and one (batch, tokens, caption_channels[1])
-    Llama-3.1 layer per ``llama_layers`` entry, from a seeded generator."""
+    (batch, tokens, caption_channels[0]), the pooled vector and ``llama_layers`` (batch, tokens,
+    caption_channels[1]) Llama-3.1 layers (default one per ``llama_layers`` entry of ``config``; 32 from
+    Llama-3.1-8B), from a seeded generator."""
     g = torch.Generator().manual_seed(seed)
     t5, llama = config["caption_channels"]
+    layers = llama_layers or len(config["llama_layers"])
 
     def cond():
         return [torch.randn(batch, tokens, t5, generator=g),
                 {"pooled_output": torch.randn(batch, config["text_emb_dim"], generator=g),
-                 "conditioning_llama3": torch.randn(batch, len(config["llama_layers"]), tokens, llama, generator=g)}]
+                 "conditioning_llama3": torch.randn(batch, layers, tokens, llama, generator=g)}]
 
     return [cond()], [cond()]

@@ -51,6 +51,9 @@ COPIES = {aten._to_copy, aten.copy_, aten.clone, aten.cat, aten.stack, aten.inde
 # reads only the rows its index names: bytes are twice the output (read + write) plus the index
 GATHERS = {aten.index_select, aten.gather, aten.index, aten.embedding, aten.take_along_dim}
 
+# ops that may take a boolean mask among their indices (a GPU runs nonzero on it first)
+MASK_INDEXED = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
+
 ATTENTION = "attention"
 ATTENTION_MASKED = "attention (mask/bias)"
 OP_CLASSES = ("gemm", "conv", ATTENTION, ATTENTION_MASKED, "elementwise", "copy")
@@ -88,6 +91,10 @@ def tensor_bytes(t: torch.Tensor) -> int:
     except (RuntimeError, NotImplementedError):
         return logical
     return min(logical, stored) if stored else logical
+
+
+def _is_mask(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.bool
 
 
 def _leaves(args, kwargs) -> list:
@@ -141,6 +148,10 @@ class Recording:
         # the answer to a value read back from a meta tensor (None: such a read is an error); set for a
         # run whose only data-dependent value is known in advance (CA-ToMe's merge count, fixed)
         self.meta_scalar: int | None = None
+        # the share of a boolean mask's elements that are true, for an index by mask on the meta device
+        # (None: such an index is an error); set for a model that routes tokens by data, priced as routed
+        # evenly (HiDream's mixture of experts)
+        self.meta_mask_share: float | None = None
         # (op, input metadata) -> output metadata and its Op: running a meta kernel costs about a
         # millisecond of Python, rebuilding its output from metadata a few microseconds
         self._memo: dict = {}
@@ -185,6 +196,9 @@ class Recording:
             if self._current is not None:
                 self._current.append(Op("_local_scalar_dense", "elementwise", 0, 8, True, True, 0, self.stage))
             return self.meta_scalar
+        if func in MASK_INDEXED and devices == {"meta"} and any(_is_mask(t) for t in args[1]):
+            args = (args[0], self._mask_rows(args[1]), *args[2:])
+            leaves = _leaves(args, kwargs)
         if devices == {"cpu"}:  # host-side work (the model's inputs are on meta): no kernel on a GPU
             out = func(*args, **kwargs)
             if self._current is not None:
@@ -207,6 +221,24 @@ class Recording:
                 self._memo[key] = (shapes, isinstance(out, (tuple, list)), op)
         if self._current is not None:
             self._current.append(op if self.stage is None else dataclasses.replace(op, stage=self.stage))
+        return out
+
+    def _mask_rows(self, indices) -> list:
+        """``indices`` with each boolean mask replaced by the row indices a GPU's nonzero would give it, as
+        many as ``meta_mask_share`` of its elements; the nonzero is recorded (its count is read back)."""
+        if self.meta_mask_share is None:
+            raise RuntimeError("a tensor was indexed by a boolean mask on the meta device: the cost model has no "
+                               "data (a model that routes by data needs its meta_mask_share)")
+        out = []
+        for t in indices:
+            if not _is_mask(t):
+                out.append(t)
+                continue
+            count = round(t.numel() * self.meta_mask_share)
+            if self._current is not None:
+                self._current.append(Op("nonzero", "elementwise", 0, tensor_bytes(t) + 8 * t.ndim * count, True, True,
+                                        0, self.stage))
+            out.extend(torch.empty(count, dtype=torch.long, device="meta") for _ in range(t.ndim))
         return out
 
     @staticmethod
