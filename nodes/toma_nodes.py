@@ -85,7 +85,8 @@ def _int(default, low, high, tooltip):
 MODEL_INPUT = ("MODEL", {"tooltip": "The diffusion model to patch. It is cloned; the input stays unchanged."})
 RATIO_INPUT = _float(DEFAULT_RATIO, 0.0, 0.9, 0.05,
                      "Fraction of image tokens removed before attention. 0 = off (output identical to the "
-                     "unpatched model); 0.5 is a good balance; above 0.75 quality drops.")
+                     "unpatched model); the default 0.75 goes with each model kind's placement (README: "
+                     "Defaults per kind of model); higher saves more and costs more of the picture.")
 WINDOW_INPUT = _int(DEFAULT_WINDOW, 0, 32,
                     "Side, in tokens, of the local square window inside which destinations are chosen and "
                     "tokens merged. Small windows keep merges local and selection cheap. 0 = auto: the "

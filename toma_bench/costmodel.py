@@ -62,7 +62,8 @@ class Spec:
     """One real-size model as users run it. model_config: the name of ComfyUI's supported_models class
     (its absence means the tree has no such model); config: its unet_config; latent: the empty latent's
     shape (LTX-2: the video's and the audio's); conditioning: () -> (positive, negative); cfg above 1
-    batches cond and uncond; tree: where the model is not the host's (OtherTree)."""
+    batches cond and uncond; tree: where the model is not the host's (OtherTree); params: the config as
+    this tree's model class takes it."""
 
     name: str
     title: str
@@ -75,6 +76,7 @@ class Spec:
     unet: bool = False
     mask_share: float | None = None  # a model that indexes by data-dependent masks: the share each selects
     tree: OtherTree | None = None
+    params: Callable | None = None  # unet_config -> what this tree's model takes (newer trees require more fields)
 
 
 SD35_LARGE = {
@@ -155,7 +157,8 @@ SPECS = {s.name: s for s in (
          cfg=2.5),
     Spec("hunyuan_video", "HunyuanVideo 720p x 129 frames (118,800 video + 256 text tokens), CFG 1",
          "HunyuanVideo", models.HUNYUAN_VIDEO_FULL, (1, 16, 33, 90, 160),
-         lambda: models.video_conditioning("hunyuan_video", models.HUNYUAN_VIDEO_FULL, 1, 256, SEED), cfg=1.0),
+         lambda: models.video_conditioning("hunyuan_video", models.HUNYUAN_VIDEO_FULL, 1, 256, SEED), cfg=1.0,
+         params=models.hunyuan_video_params),
     Spec("wan_480p", "Wan 2.1 14B 832x480 x 81 frames (32,760 video + 512 text tokens), CFG 5", "WAN21_T2V",
          WAN_14B, (1, 16, 21, 60, 104), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
     Spec("wan_720p", "Wan 2.1 14B 1280x720 x 81 frames (75,600 video + 512 text tokens), CFG 5",
@@ -196,7 +199,8 @@ def build_meta(spec: Spec, unet_model=None):
     import comfy.model_patcher
     import comfy.supported_models
 
-    model_config = getattr(comfy.supported_models, spec.model_config)(dict(spec.config))
+    config = spec.params(dict(spec.config)) if spec.params else dict(spec.config)
+    model_config = getattr(comfy.supported_models, spec.model_config)(config)
     model_config.set_inference_dtype(DTYPE, None)
     if unet_model is None:
         base = model_config.get_model({}, device="meta")
@@ -250,7 +254,7 @@ def variants_for(name: str, pack) -> list[Variant]:
         for r in (0.5, 0.75):
             out.append(Variant(f"ComfyUI ToMe r={r:g}", patch=lambda m, r=r: comfy_tome(m, r)))
         return out
-    for r in (0.25, 0.75):
+    for r in (0.5, 0.9):  # around the default ratio: the earlier default, and the node's highest
         out.append(Variant(f"ToMA r={r:g}", patch=lambda m, r=r: basic.patch(m, r, w, reuse)[0]))
     if name in ("flux", "hunyuan_video"):
         out.append(Variant("ToMA scope attention r=0.5", patch=lambda m: advanced.patch(m, 0.5, w, reuse, scope="attention")[0]))
