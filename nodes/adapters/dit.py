@@ -64,8 +64,9 @@ ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wr
 TWO_STREAM = "two-stream"  # image and text in streams of their own, one joint attention (Flux's double blocks)
 JOINT = "joint"  # one sequence of text and image tokens (Flux's single blocks, NextDiT's layers)
 VIDEO = "video"  # the video tokens alone, the text through cross-attention (Wan's and LTX-Video's blocks)
-# Fraction of each role's blocks never merged: the paper's 5 of Flux's 19 double and 38 single blocks.
-SKIP_FRACTION = {TWO_STREAM: 5 / 19, JOINT: 5 / 38}
+# Fraction of each role's first blocks never merged: the paper's 5 of Flux's 19 double and 38 single
+# blocks; whole layers over the video alone skip as Flux's single blocks do.
+SKIP_FRACTION = {TWO_STREAM: 5 / 19, JOINT: 5 / 38, VIDEO: 5 / 38}
 
 
 @dataclass(frozen=True)
@@ -493,5 +494,5 @@ def blocks_after(depth: int, fraction: float) -> range:
 
 def merged_blocks(depth: int, group: str) -> range:
     """Indices of the blocks of a group of ``depth`` blocks that merge, at the paper's Flux fractions
-    (``group``: TWO_STREAM or JOINT)."""
+    (``group``: TWO_STREAM, JOINT or VIDEO)."""
     return blocks_after(depth, SKIP_FRACTION[group])

@@ -3,18 +3,17 @@ are there, and nodes/adapters/dit.py says how blocks merge). What a family needs
 token layout, other per-token inputs) is a DiTPatch or LayoutStash subclass in its own module.
 
 Skipped fractions: the paper merges Flux double blocks 5-18 of 19 and single blocks 5-37 of 38; other
-depths skip the same fraction of each group (SKIP_FRACTION). A group of whole transformer layers over
-one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
+depths skip the same fraction of each group (dit.SKIP_FRACTION, by the group's role). A group of whole
+layers over one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
 """
 from .. import placement
 from . import hidream, hunyuan_video, ltxv, lumina, qwen_image, wan
-from .dit import JOINT, SKIP_FRACTION, TWO_STREAM, VIDEO
+from .dit import JOINT, TWO_STREAM, VIDEO
 from .family import OBJECT_PATCH, BlockGroup, DiTFamily
 
-DOUBLE, SINGLE = SKIP_FRACTION[TWO_STREAM], SKIP_FRACTION[JOINT]
 # Flux's layout: double blocks (image and text streams apart), then single blocks (one joint sequence)
-FLUX_GROUPS = (BlockGroup("double_blocks", "double_block", TWO_STREAM, DOUBLE, "double_block"),
-               BlockGroup("single_blocks", "single_block", JOINT, SINGLE, "single_block"))
+FLUX_GROUPS = (BlockGroup("double_blocks", "double_block", TWO_STREAM, "double_block"),
+               BlockGroup("single_blocks", "single_block", JOINT, "single_block"))
 # Both placements on Flux-layout double blocks: "attention" (the paper's: the double-block MLP at full
 # resolution, only the joint attention on merged tokens, through ComfyUI's attention override) and
 # "block". The MLP holds 2/3 of the image stream's projection FLOPs, so merging it is most of the speed-up;
@@ -32,7 +31,7 @@ FLUX = DiTFamily("Flux", ("Flux", "Flux.2"), False, "comfy.ldm.flux.model:Flux",
 # once at the input, so nothing positional reaches the blocks. No DIFFUSION_MODEL executor: the latent is
 # read at BaseModel._apply_model (same latent size).
 SD3 = DiTFamily("SD3/SD3.5", ("SD3",), False, "comfy.ldm.modules.diffusionmodules.mmdit:MMDiT",
-                (BlockGroup("joint_blocks", "double_block", TWO_STREAM, DOUBLE, "double_block"),),
+                (BlockGroup("joint_blocks", "double_block", TWO_STREAM, "double_block"),),
                 wrappers=("APPLY_MODEL",))
 
 HUNYUAN_VIDEO = DiTFamily("HunyuanVideo", ("HunyuanVideo", "HunyuanVideo 1.5"), True,
@@ -41,25 +40,25 @@ HUNYUAN_VIDEO = DiTFamily("HunyuanVideo", ("HunyuanVideo", "HunyuanVideo 1.5"), 
                           never_merged="text, SigLIP tokens, reference latents, the image-to-video first frame")
 
 LTXV = DiTFamily("LTX-Video", ("LTX-Video",), True, "comfy.ldm.lightricks.model:LTXVModel",
-                 (BlockGroup("transformer_blocks", "double_block", VIDEO, SINGLE, "block"),),
+                 (BlockGroup("transformer_blocks", "double_block", VIDEO, "block"),),
                  ltxv.LTXVPatch, ltxv.LTXVLayoutStash, patch_size="patchifier.patch_size",
                  never_merged="text, keyframe guides, the image-to-video first frame")
 
 # LTX-2 (audio-video; an LTXVModel subclass, so its row comes before LTX-Video's): the video merges as
 # LTX-Video's; each merged block's video-to-audio attention is object-patched to see the full video.
 LTX2 = DiTFamily("LTX-2", ("LTX-2",), True, "comfy.ldm.lightricks.av_model:LTXAVModel",
-                 (BlockGroup("transformer_blocks", "double_block", VIDEO, SINGLE, "av_block"),),
+                 (BlockGroup("transformer_blocks", "double_block", VIDEO, "av_block"),),
                  ltxv.LTX2Patch, ltxv.LTX2LayoutStash, patch_size="patchifier.patch_size",
                  never_merged="audio, text, keyframe guides, the image-to-video first frame")
 
 WAN = DiTFamily("Wan 2.1/2.2", ("Wan",), True, "comfy.ldm.wan.model:WanModel",
-                (BlockGroup("blocks", "double_block", VIDEO, SINGLE, "block"),), wan.WanPatch,
+                (BlockGroup("blocks", "double_block", VIDEO, "block"),), wan.WanPatch,
                 wan.VideoLayoutStash,
                 never_merged="text, CLIP image tokens, reference and subject frames, the TI2V first frame",
                 unserved=wan.unserved)
 
 QWEN_IMAGE = DiTFamily("Qwen-Image", ("Qwen-Image",), False, "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",
-                       (BlockGroup("transformer_blocks", "double_block", TWO_STREAM, DOUBLE, "double_block"),),
+                       (BlockGroup("transformer_blocks", "double_block", TWO_STREAM, "double_block"),),
                        qwen_image.QwenImagePatch, never_merged="text (Edit references merge by plans of their own)")
 
 # Chroma and Chroma Radiance: Flux's blocks, merged as Flux's are. Each block's modulation comes from the
@@ -70,14 +69,14 @@ CHROMA = DiTFamily("Chroma", ("Chroma",), False, "comfy.ldm.chroma.model:Chroma"
 # Lumina 2 and Z-Image (NextDiT): no "dit" hook, each main layer's forward object-patched; the context and
 # noise refiners (text only, image only) never merge.
 LUMINA = DiTFamily("Lumina 2 / Z-Image", ("Z-Image", "Lumina 2"), False, "comfy.ldm.lumina.model:NextDiT",
-                   (BlockGroup("layers", "layer", JOINT, SINGLE, "layer_forward"),), lumina.NextDiTPatch,
+                   (BlockGroup("layers", "layer", JOINT, "layer_forward"),), lumina.NextDiTPatch,
                    lumina.NextDiTLayoutStash, intercept=OBJECT_PATCH,
                    never_merged="text, Z-Image's padding tokens", unserved=lumina.unserved)
 
 # HiDream-I1: no "dit" hook either; its double-stream and single-stream blocks' forwards object-patched.
 HIDREAM = DiTFamily("HiDream", ("HiDream",), False, "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
-                    (BlockGroup("double_stream_blocks", "double_stream_block", TWO_STREAM, DOUBLE, "double_forward"),
-                     BlockGroup("single_stream_blocks", "single_stream_block", JOINT, SINGLE, "single_forward")),
+                    (BlockGroup("double_stream_blocks", "double_stream_block", TWO_STREAM, "double_forward"),
+                     BlockGroup("single_stream_blocks", "single_stream_block", JOINT, "single_forward")),
                     hidream.HiDreamPatch, hidream.HiDreamLayoutStash, intercept=OBJECT_PATCH,
                     never_merged="text and Llama layer tokens", unserved=hidream.unserved)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from .. import placement
 from ..host import WRAPPER_KEY, install_run_hooks, original_attr
 from ..runtime import MergeRuntime
-from .dit import DiTPatch, LayoutStash, attention_only, blocks_after
+from .dit import DiTPatch, LayoutStash, attention_only, merged_blocks
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -43,18 +43,18 @@ OBJECT_PATCH = "forward object patch"
 class BlockGroup:
     """One group of blocks that merge: ``blocks`` is the diffusion model's attribute that holds them,
     ``hook`` the name of a block's patch point ("dit" replace patches: "double_block", "single_block";
-    object patches: the name logs use), ``group`` the name plans, stats and the merge map use, ``skip``
-    the fraction of the group's first blocks that never merge, ``handler`` the family's DiTPatch method
-    that serves a block call (object patches: that makes a layer's patched forward from its original)."""
+    object patches: the name logs use), ``group`` its role (dit.TWO_STREAM, JOINT, VIDEO: the name plans,
+    stats and the merge map use, and the fraction of its first blocks that never merge), ``handler`` the
+    family's DiTPatch method that serves a block call (object patches: that makes a layer's patched
+    forward from its original)."""
 
     blocks: str
     hook: str
     group: str
-    skip: float
     handler: str
 
     def merged(self, depth: int) -> range:
-        return blocks_after(depth, self.skip)
+        return merged_blocks(depth, self.group)
 
 
 @dataclass(frozen=True, eq=False)
