@@ -9,6 +9,7 @@ take 1-2 steps: a 32x32 step costs about a second on two CPU cores.
 Works against the pinned ComfyUI and a current one (COMFYUI_PATH); nothing here depends on which.
 """
 import gc
+import inspect
 import logging
 import re
 import weakref
@@ -266,6 +267,46 @@ def test_both_attention_backends_run_on_merged_tokens(pack, sd15, monkeypatch, s
         # scope "block" also runs cross-attention (and the feed-forward) on the merged tokens
         assert (kept in cross_attention) == (scope == "block")
     assert relative_l2(outputs["attention_pytorch"], outputs["attention_sub_quad"]) < 1e-4
+
+
+@pytest.mark.parametrize("inner", ["strict", "tree"])
+def test_a_bare_wrapper_around_the_attention_function_never_crashes_sampling(pack, sd15, monkeypatch, caplog,
+                                                                             inner):
+    """Another node wraps ComfyUI's ``optimized_attention`` in a bare ``(*args, **kwargs)`` function (no
+    ``functools.wraps``), hiding a function that takes no ``attn_precision``: "strict", the March-2024
+    back-ends' signature (q, k, v, heads, mask=None), in every tree; "tree", whatever this tree has. The
+    kind's default (proportional attention) samples as it does without the wrapper, and says once that
+    the wrapped function refused its keywords where it did."""
+    import comfy.ldm.modules.attention as attention
+
+    tree_function = attention.optimized_attention
+    if inner == "strict" and "attn_precision" in inspect.signature(tree_function).parameters:
+        pytest.skip("this tree's own CrossAttention passes attn_precision: no back-end of it refuses it")
+
+    def strict(q, k, v, heads, mask=None):
+        return tree_function(q, k, v, heads, mask=mask)
+
+    hidden = strict if inner == "strict" else tree_function
+    patched = patch(pack, "ToMAPatchModel", sd15.model, **TOMA)
+    monkeypatch.setattr(attention, "optimized_attention", hidden)
+    unwrapped = sample(patched, "sd15")
+    calls = []
+
+    def bare_wrapper(*args, **kwargs):
+        calls.append(sorted(kwargs))
+        return hidden(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "optimized_attention", bare_wrapper)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        wrapped = sample(patched, "sd15")
+    assert calls, "the wrapper was never called"
+    torch.testing.assert_close(wrapped, unwrapped, rtol=0, atol=0)
+    accepted = pack.nodes.adapters.unet.accepted_keywords(hidden)
+    refuses = accepted is not None and "attn_precision" not in accepted
+    assert refuses or inner == "tree"
+    refusals = [m for m in toma_warnings(caplog) if "refused the keywords" in m]
+    assert len(refusals) == (1 if refuses else 0), toma_warnings(caplog)
+    assert all("attn_precision" in m for m in refusals)
 
 
 # -- isolation: the input MODEL, other clones, later runs --------------------------------------------------

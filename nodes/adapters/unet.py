@@ -207,7 +207,7 @@ class UNetPatch:
             queries, keys = {placement.ATTENTION: (merged, merged), placement.KEYS_VALUES: (x, merged),
                              placement.QUERIES: (merged, x)}[patch.scope]
             if patch.proportional:
-                out = proportional_attention(attention, queries, keys, plan.log_mass, kwargs)
+                out = proportional_attention(attention, queries, keys, plan.log_mass, kwargs, patch.runtime.notice)
             else:
                 out = original(queries, context=keys, value=keys, **kwargs)
             if queries is x:
@@ -253,19 +253,47 @@ class UNetPatch:
 
 @functools.lru_cache(maxsize=8)
 def accepted_keywords(fn) -> frozenset | None:
-    """The keyword names ``fn`` takes (None: any, it has **kwargs); read once per function, not per block
-    call (the March-2024 attention functions take neither attn_precision nor transformer_options)."""
+    """The keyword names ``fn`` takes (None: any, it has **kwargs), through any ``functools.wraps`` chain
+    (``inspect.signature`` follows ``__wrapped__``); read once per function, not per block call (the
+    March-2024 attention functions take neither attn_precision nor transformer_options)."""
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
     return frozenset(params)
 
 
-def proportional_attention(attention, queries, keys, log_mass, kwargs):
+# attention functions that refused keywords their signature seemed to take: a bare ``(*args, **kwargs)``
+# wrapper another node put around ComfyUI's ``optimized_attention`` hides what it finally calls
+refused_keywords: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def call_attention(fn, q, k, v, heads, extra: dict, notice):
+    """``fn(q, k, v, heads, **extra)`` with only the keywords ``fn`` takes. Where ``fn`` hides its
+    signature and refuses one with a TypeError, the call is made once more without the extra keywords and
+    ``notice`` says so (once); that function is then always called without them."""
+    accepted = accepted_keywords(fn)
+    refused = refused_keywords.get(fn, frozenset())
+    extra = {key: value for key, value in extra.items()
+             if (accepted is None or key in accepted) and key not in refused}
+    if not extra:
+        return fn(q, k, v, heads)
+    try:
+        return fn(q, k, v, heads, **extra)
+    except TypeError as error:
+        if not any(repr(key) in str(error) or key in str(error) for key in extra):
+            raise
+        refused_keywords[fn] = refused | frozenset(extra)
+        notice("ComfyUI's attention function %s (wrapped by another node) refused the keywords %s; "
+               "proportional attention calls it without them", getattr(fn, "__qualname__", fn),
+               ", ".join(sorted(extra)))
+        return fn(q, k, v, heads)
+
+
+def proportional_attention(attention, queries, keys, log_mass, kwargs, notice):
     """What ComfyUI's CrossAttention ``attention`` computes for ``queries`` over ``keys`` (and values
     from them), with each key's logits raised by its ``log_mass`` (B, N'): its own projections, the bias
     in an extra head channel (toma_core.attention), ComfyUI's attention function (so fused kernels, and
-    attention overrides in ``transformer_options``, still apply)."""
+    attention overrides in ``transformer_options``, still apply). ``notice``: the runtime's log-once."""
     from comfy.ldm.modules import attention as comfy_attention
 
     q, k, v = attention.to_q(queries), attention.to_k(keys), attention.to_v(keys)
@@ -273,9 +301,7 @@ def proportional_attention(attention, queries, keys, log_mass, kwargs):
     q, k, v = with_key_bias(q, k, v, log_mass, heads)
     extra = {"attn_precision": getattr(attention, "attn_precision", None),
              "transformer_options": kwargs.get("transformer_options", {})}
-    accepted = accepted_keywords(comfy_attention.optimized_attention)
-    extra = {k: v for k, v in extra.items() if accepted is None or k in accepted}
-    out = comfy_attention.optimized_attention(q, k, v, heads, **extra)
+    out = call_attention(comfy_attention.optimized_attention, q, k, v, heads, extra, notice)
     return attention.to_out(without_padding(out, heads, d))
 
 
