@@ -168,7 +168,7 @@ def test_missing_proxy_names_the_file_and_the_training_command(tmp_path, monkeyp
         main_job.main(["--output", str(tmp_path)])
 
     assert str(tmp_path / "sd15_proxy.safetensors") in str(error.value)
-    assert "python -m toma_bench.proxy train --arch sd15" in str(error.value)
+    assert "python -m toma_bench.proxy_training train --arch sd15" in str(error.value)
 
 
 def write_random_proxy(path):

@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "pinned test tree .comfyui/ made by tests/setup_host.sh)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--proxy", metavar="FILE", help="a trained SD1.x-layout proxy file (default: "
-                       f"toma_bench/proxies/{DEFAULT_PROXY.name}, written by python -m toma_bench.proxy train "
+                       f"toma_bench/proxies/{DEFAULT_PROXY.name}, written by python -m toma_bench.proxy_training train "
                        "--arch sd15)")
     model.add_argument("--ckpt", metavar="NAME_OR_PATH", help="an SD1.x/SD2.x checkpoint instead of the proxy: "
                        "a file path, or a name in the tree's models/checkpoints or --models-dir")
@@ -105,7 +105,7 @@ def find_proxy(path: str | None) -> Path:
     """The proxy file (--proxy, else the shipped one); a clear error when it is missing or not SD1.x."""
     candidate = Path(path).expanduser() if path else DEFAULT_PROXY
     if not candidate.is_file():
-        raise SystemExit(f"[main-job] no trained proxy at {candidate}: train it with `python -m toma_bench.proxy "
+        raise SystemExit(f"[main-job] no trained proxy at {candidate}: train it with `python -m toma_bench.proxy_training "
                          f"train --arch sd15` (writes toma_bench/proxies/{DEFAULT_PROXY.name}), or pass "
                          "--proxy FILE, or --ckpt for an SD1.x checkpoint")
     arch = proxy.read_metadata(candidate)["arch"]

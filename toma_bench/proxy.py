@@ -1,6 +1,6 @@
 """Trained proxy denoisers, used: their specs, loading, conditioning, sampling, pictures <-> latents.
-Training them and checking them (and the command line, ``python -m toma_bench.proxy train|check``) is
-toma_bench.proxy_training.
+Training them and checking them (and the command line, ``python -m toma_bench.proxy_training train|check``)
+is toma_bench.proxy_training, which uses this module and is never imported by it.
 
 No real diffusion weights can be downloaded here, and random weights denoise nothing, so merging errors
 on them say little about pictures. These proxies are ComfyUI's own model classes (an SD1.x-layout
@@ -330,7 +330,9 @@ def sample(model, seed: int = 0, batch: int = 16, steps: int = 20, sampler: str 
                                scheduler=scheduler or spec.scheduler, seed=seed)
 
 
-if __name__ == "__main__":  # the command line lives with the training
-    from .proxy_training import main
+if __name__ == "__main__":
+    # the shipped proxies' metadata record their commands as ``python -m toma_bench.proxy ...``: hand them
+    # to the training's command line by running it, not by importing it (the training imports this module)
+    import runpy
 
-    main()
+    runpy.run_module("toma_bench.proxy_training", run_name="__main__", alter_sys=True)

@@ -1,13 +1,13 @@
 """Training and checking the trained proxies (toma_bench.proxy): the data, the objective, the training loop
 and the command line.
 
-    python -m toma_bench.proxy train --arch sd15|flux|wan [--steps N] [--batch B] [--lr LR] [--seed S]
-                                     [--size proxy|tiny] [--out FILE] [--log-every N] [--threads T]
-    python -m toma_bench.proxy check [--arch sd15,flux,wan] [--out DIR] [--steps 20] [--sampler euler]
-                                     [--samples 16] [--threads T]
+    python -m toma_bench.proxy_training train --arch sd15|flux|wan [--steps N] [--batch B] [--lr LR] [--seed S]
+                                              [--size proxy|tiny] [--out FILE] [--log-every N] [--threads T]
+    python -m toma_bench.proxy_training check [--arch sd15,flux,wan] [--out DIR] [--steps 20] [--sampler euler]
+                                              [--samples 16] [--threads T]
 
-(``python -m toma_bench.proxy_training`` is the same command line; ``toma_bench.proxy`` hands its own
-over here, so the commands recorded in the shipped proxies' metadata still run.)
+(``python -m toma_bench.proxy`` runs this command line too, so the commands recorded in the shipped
+proxies' metadata still run.)
 
 Data: grayscale crops of the public-domain/CC0 photographs bundled in scikit-image's wheel (short clips
 panning over them for Wan). Each model is trained in the parametrisation of its ComfyUI ``model_sampling``,
@@ -312,7 +312,7 @@ def run_train(args, argv) -> None:
                 "parameters": params, "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "latent_side": spec.side, "init": spec.init and spec_of(spec.init).file,
                 "seconds": history[-1]["seconds"], "cpu_seconds": history[-1]["cpu_seconds"], "history": history,
-                "command": "python -m toma_bench.proxy " + " ".join(argv),
+                "command": "python -m toma_bench.proxy_training " + " ".join(argv),
                 "train_images": list(TRAIN_IMAGES), "heldout_images": list(HELDOUT_IMAGES)}
     save(model, out, config, training)
     print(f"saved {out} ({params / 1e6:.2f}M parameters, {out.stat().st_size / 2**20:.1f} MiB)", flush=True)
