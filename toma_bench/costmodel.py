@@ -1,6 +1,7 @@
 """Speed where users run it: every aten op of real-size models, patched by the pack's nodes, priced on a GPU.
 
     python -m toma_bench.costmodel [--models sdxl,flux,...] [--hardware h200,h100,a100,l40s,rtx4090,rtx3090,FILE.json]
+                                   [--regimes eager,graphs,compiled] [--variants default,r=0.5,...]
                                    [--steps N] [--how pipelined|additive] [--sweep] [--json FILE]
 
 CPU only, no weights, about a minute per model. For each model (ComfyUI's own classes at real widths,
@@ -8,7 +9,10 @@ depths and sizes, built on the meta device in bf16) and each variant (the pack's
 node can express, ToMeSD, CA-ToMe, ComfyUI's ToMe), one sampling run goes through ComfyUI's sampler with
 CFG batched as ComfyUI batches it; every aten op of every model call is recorded (toma_bench.oprecord),
 so steps that select destinations and steps that reuse them are weighed as the node's schedule has them;
-the ops are then priced by a hardware profile (toma_bench.gpuclock). A run of one step first fills the
+the ops are then priced by a hardware profile (toma_bench.gpuclock) in each regime (eager; graph replay;
+torch.compile's inductor with graph replay: gpuclock.REGIMES). For the node's default, the kernel budget
+says how many kernels it adds a step and where (selection, merge, unmerge), and what a host that issues
+them one by one pays for them. A run of one step first fills the
 pack's per-process host caches (plan geometry), which a real run pays once. LTX-2, whose classes come from
 another tree (toma_bench.ltx2_source) and whose [video, audio] latent the host's sampler cannot carry, has
 its model called as that tree's sampler calls it (drive_ltx2).
@@ -33,7 +37,7 @@ from torch.utils._pytree import tree_map
 
 from . import comfy_host, ltx2_source, models, run
 from .run import comfy_tome
-from .gpuclock import PROFILES, Hardware, call_cost, profile, swept
+from .gpuclock import PROFILES, REGIMES, Hardware, call_cost, fused, profile, swept
 from .oprecord import recording, to_meta
 from .tables import format_cell, format_table
 
@@ -339,6 +343,15 @@ class Recorded:
     merged: list  # (level, tokens, merged tokens) of every merged level, over the pack's nodes
     patched_by_pack: bool
     failed: list
+    _fused: list | None = dataclasses.field(default=None, repr=False)
+
+    def calls_in(self, regime: str) -> list:
+        """The ops of each call as ``regime`` launches them: fused once where inductor fuses them."""
+        if not REGIMES[regime].fuse:
+            return self.calls
+        if self._fused is None:
+            self._fused = [fused(ops) for ops in self.calls]
+        return self._fused
 
 
 def run_sigmas(model, steps: int) -> torch.Tensor:
@@ -409,6 +422,7 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
 @dataclass
 class Priced:
     label: str
+    regime: str
     ms_per_step: float
     speed_up: float | None
     speed_range: tuple | None
@@ -424,8 +438,9 @@ class Priced:
     flag: str
 
 
-def per_step(recorded: Recorded, hw: Hardware, how: str):
-    costs = [call_cost(ops, hw, how) for ops in recorded.calls]
+def per_step(recorded: Recorded, hw: Hardware, how: str, regime: str = "eager"):
+    launched = dataclasses.replace(REGIMES[regime], fuse=False)  # calls_in has fused them where the regime fuses
+    costs = [call_cost(ops, hw, how, launched) for ops in recorded.calls_in(regime)]
     n = recorded.steps
     return costs, sum(c.seconds for c in costs) / n
 
@@ -443,20 +458,22 @@ def merged_text(recorded: Recorded) -> tuple[str, str]:
     return text or "nothing", flag
 
 
-def price(recorded: list[Recorded], hw: Hardware, how: str, sweep: bool) -> list[Priced]:
+def price(recorded: list[Recorded], hw: Hardware, how: str, sweep: bool, regime: str = "eager") -> list[Priced]:
+    """Each recording priced on ``hw`` in ``regime`` against the first (unpatched); with ``sweep``, the
+    range of speed-ups over gpuclock.swept and the other way of adding up."""
     base = recorded[0]
-    _, base_step = per_step(base, hw, how)
+    _, base_step = per_step(base, hw, how, regime)
     base_flops = sum(op.flops for ops in base.calls for op in ops) / base.steps
     ranges = {}
     if sweep:
         settings = [(p, how) for _, p in swept(hw)] + [(hw, "additive" if how == "pipelined" else "pipelined")]
-        base_steps = [per_step(base, p, h)[1] for p, h in settings]  # once per setting, not per variant
+        base_steps = [per_step(base, p, h, regime)[1] for p, h in settings]  # once per setting, not per variant
         for r in recorded:
-            ups = [b / per_step(r, p, h)[1] for b, (p, h) in zip(base_steps, settings)]
+            ups = [b / per_step(r, p, h, regime)[1] for b, (p, h) in zip(base_steps, settings)]
             ranges[r.label] = (min(ups), max(ups))
     rows = []
     for r in recorded:
-        costs, step = per_step(r, hw, how)
+        costs, step = per_step(r, hw, how, regime)
         ops = [op for call in r.calls for op in call]
         flops = sum(op.flops for op in ops) / r.steps
         stages = {k: 100 * sum(c.stages[k] for c in costs) / r.steps / step for k in ("select", "merge", "unmerge")}
@@ -465,9 +482,9 @@ def price(recorded: list[Recorded], hw: Hardware, how: str, sweep: bool) -> list
             for k, v in c.classes.items():
                 classes[k] = classes.get(k, 0.0) + 1000 * v / r.steps
         text, flag = merged_text(r)
-        rows.append(Priced(r.label, 1000 * step, base_step / step, ranges.get(r.label), flops / 1e9,
+        rows.append(Priced(r.label, regime, 1000 * step, base_step / step, ranges.get(r.label), flops / 1e9,
                            None if r is base else 100 * (1 - flops / base_flops), stages,
-                           sum(op.kernel for op in ops) / r.steps,
+                           sum(c.kernels for c in costs) / r.steps,
                            sum(op.sync for op in ops) / max(1, len(r.calls)),
                            1000 * sum(c.gpu for c in costs) / r.steps, 1000 * sum(c.host for c in costs) / r.steps,
                            classes, text, flag))
@@ -483,11 +500,14 @@ COLUMNS = """Columns:
   GFLOP/step    GEMM, convolution and attention FLOPs per step; saved %: against unpatched
   sel/mrg/unm % shares of the step spent selecting destinations, merging and unmerging (each op's larger of
                 GPU and host time, tagged through the runtime's stage-clock listeners)
-  kernels/step  kernel-launching aten ops per step
+  kernels/step  kernels launched per step (aten ops that launch one; under "compiled", after fusion)
   syncs/call    ops per model call that make the host wait for the GPU (values read back)
   GPU/host ms   total GPU time and host time per step (pipelined, they overlap)
   merged        each merged level or block group: tokens -> merged tokens (MERGED NOTHING flags a patched
-                variant whose every plan fell back to running unmerged)"""
+                variant whose every plan fell back to running unmerged)
+
+Regimes (--regimes; toma_bench.gpuclock.REGIMES):
+""" + "\n".join(f"  {r.name:<12}  {r.title}" for r in REGIMES.values())
 
 
 def table(rows: list[Priced]) -> str:
@@ -505,11 +525,69 @@ def table(rows: list[Priced]) -> str:
 
 
 def profile_table(priced: dict) -> str:
-    """Variants down, profiles across: each variant's speed-up on each profile."""
+    """Variants down, columns across (a profile, or a profile and a regime): each variant's speed-up, with its
+    range over the sweep where it was swept."""
     names = list(priced)
     head = ["variant"] + [f"{n} ({priced[n][0].ms_per_step:,.1f} ms)" for n in names]
-    body = [[row.label] + [f"{priced[n][i].speed_up:.2f}x" for n in names] for i, row in enumerate(priced[names[0]])]
+
+    def cell(r):
+        rng = "" if r.speed_range is None else f" ({r.speed_range[0]:.2f}-{r.speed_range[1]:.2f})"
+        return f"{r.speed_up:.2f}x{rng}"
+
+    body = [[row.label] + [cell(priced[n][i]) for n in names] for i, row in enumerate(priced[names[0]])]
     return format_table(head, body)
+
+
+DEFAULT_LABEL = "ToMA default"
+
+
+def kernels_per_step(recorded: Recorded, regime: str = "eager", stage: str | None = "any") -> float:
+    """Kernels ``recorded`` launches a step in ``regime``; ``stage``: only those of one merge stage (None:
+    outside the stages)."""
+    return sum(op.kernel for ops in recorded.calls_in(regime) for op in ops
+               if stage == "any" or op.stage == stage) / recorded.steps
+
+
+def kernel_budget(recorded: list[Recorded], hw: Hardware, how: str = "pipelined") -> dict | None:
+    """What the node's default (the row labelled DEFAULT_LABEL) adds to unpatched (the first row) a step: its
+    kernels in each regime, the eager ones by merge stage, the host time an eager host spends issuing them,
+    and the GPU time its merging saves (eager); None without a default row."""
+    base = recorded[0]
+    default = next((r for r in recorded if r.label.startswith(DEFAULT_LABEL)), None)
+    if default is None or default is base:
+        return None
+    stages = {stage: kernels_per_step(default, "eager", stage) for stage in ("select", "merge", "unmerge")}
+    stages["model"] = kernels_per_step(default, "eager", None) - kernels_per_step(base, "eager", None)
+    added = {regime: (kernels_per_step(base, regime), kernels_per_step(default, regime)) for regime in REGIMES}
+    gpu = [sum(c.gpu for c in per_step(r, hw, how)[0]) / r.steps for r in (base, default)]
+    extra = added["eager"][1] - added["eager"][0]
+    return {"label": default.label, "kernels": added, "eager_by_stage": stages,
+            "eager_host_ms": extra * hw.host_us_per_kernel / 1000, "gpu_ms_saved": 1000 * (gpu[0] - gpu[1]),
+            "host_us_per_kernel": hw.host_us_per_kernel, "profile": hw.name}
+
+
+def budget_line(budget: dict) -> str:
+    k = budget["kernels"]
+    stages = budget["eager_by_stage"]
+    regimes = ", ".join(f"{regime} {before:,.0f} -> {after:,.0f} ({after - before:+,.0f})"
+                        for regime, (before, after) in k.items())
+    return (f"kernel budget, {budget['label']}: kernels a step {regimes}; eager, by stage: selection "
+            f"{stages['select']:,.0f}, merge {stages['merge']:,.0f}, unmerge {stages['unmerge']:,.0f}, in the model "
+            f"{stages['model']:+,.0f}. On {budget['profile']} an eager host at {budget['host_us_per_kernel']:g} us a "
+            f"kernel spends {budget['eager_host_ms']:.1f} ms a step issuing them, against "
+            f"{budget['gpu_ms_saved']:.1f} ms of GPU work the merging saves.")
+
+
+def select_variants(variants: list, wanted: list[str] | None) -> list:
+    """Unpatched (the first) and the variants whose label contains one of ``wanted`` (case-insensitive), or
+    all of them; a name that matches none is an error naming the labels."""
+    if not wanted:
+        return variants
+    lower = [w.lower() for w in wanted]
+    unmatched = [w for w in wanted if not any(w.lower() in v.label.lower() for v in variants)]
+    if unmatched:
+        raise ValueError(f"--variants: {unmatched} match no variant (labels: {'; '.join(v.label for v in variants)})")
+    return variants[:1] + [v for v in variants[1:] if any(w in v.label.lower() for w in lower)]
 
 
 # -- command line ------------------------------------------------------------------------------------------
@@ -521,6 +599,12 @@ def parse_args(argv):
     ap.add_argument("--hardware", default="h200",
                     help=f"comma list of profiles ({', '.join(PROFILES)}) or JSON files of toma_bench.gpuclock.Hardware "
                          "fields (default h200); the same recordings are priced on each")
+    ap.add_argument("--regimes", default="eager",
+                    help=f"comma list of {', '.join(REGIMES)} (toma_bench.gpuclock.REGIMES; default eager): the same "
+                         "recordings are priced in each")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of parts of variant labels to record (e.g. default,r=0.5; unpatched always; "
+                         "default: every variant of the model)")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps per run (default 15: a whole period of the default reuse 5 and of merge_every 3)")
     ap.add_argument("--how", choices=("pipelined", "additive"), default="pipelined",
                     help="how host and GPU time add up (toma_bench.gpuclock; default pipelined)")
@@ -537,16 +621,22 @@ def parse_args(argv):
         ap.error(str(e))
     if not args.profiles:
         ap.error("--hardware names no profile")
+    args.regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    if not args.regimes or any(r not in REGIMES for r in args.regimes):
+        ap.error(f"--regimes: comma list of {', '.join(REGIMES)}, got {','.join(args.regimes) or 'none'}")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     if args.steps is not None and not 1 <= args.steps <= 200:
         ap.error(f"--steps must be in [1, 200], got {args.steps}")
     return args
 
 
-def record_model(spec: Spec, pack, steps: int, variants=None, progress=print) -> list[Recorded]:
+def record_model(spec: Spec, pack, steps: int, variants=None, progress=print, wanted=None) -> list[Recorded]:
+    """The recordings of ``variants`` (default: variants_for the model, those ``wanted`` by select_variants)."""
     out = []
+    variants = variants or select_variants(variants_for(spec.name, pack), wanted)
     with spec.tree.classes() if spec.tree else contextlib.nullcontext() as module, meta_sampling():
         base = build_meta(spec, getattr(module, spec.tree.unet_model) if spec.tree else None)
-        for variant in variants or variants_for(spec.name, pack):
+        for variant in variants:
             started = time.perf_counter()
             out.append(record_variant(base, spec, variant, pack, steps))
             progress(f"[costmodel] {spec.name}: {variant.label} recorded in {time.perf_counter() - started:.1f} s")
@@ -557,11 +647,15 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     root = comfy_host.import_core("cpu", require_flux=False)
     pack = comfy_host.load_pack()
-    report = {"hardware": [dataclasses.asdict(p) for p in args.profiles], "how": args.how, "models": {}}
+    report = {"hardware": [dataclasses.asdict(p) for p in args.profiles], "how": args.how,
+              "regimes": args.regimes, "models": {}}
     print(run.header("python -m toma_bench.costmodel", argv, "priced, not run: ops recorded on the meta device",
                      f"{args.how}; ComfyUI tree {root.name}"))
     for hw in args.profiles:
-        print(f"# profile {hw.name}: {hw.source or 'from a file'}")
+        print(f"# profile {hw.name}: {hw.source or 'from a file'}; host {hw.host_us_per_kernel:g} us per kernel, "
+              f"{hw.host_us_per_view:g} per view, {hw.host_us_per_graph:g} per graph")
+    for regime in args.regimes:
+        print(f"# regime {regime}: {REGIMES[regime].title}")
     for name in args.models:
         spec = SPECS[name]
         reason = missing(spec)
@@ -569,17 +663,27 @@ def main(argv=None) -> None:
             print(f"\n## {name}: skipped ({reason})")
             continue
         steps = args.steps or spec.steps
-        recorded = record_model(spec, pack, steps, progress=lambda line: print(line, file=sys.stderr))
+        try:
+            recorded = record_model(spec, pack, steps, progress=lambda line: print(line, file=sys.stderr),
+                                    wanted=args.variants)
+        except ValueError as e:
+            sys.exit(str(e))
         report["models"][name] = {"title": spec.title, "steps": steps, "profiles": {}}
-        priced = {hw.name: price(recorded, hw, args.how, args.sweep and hw is args.profiles[0]) for hw in args.profiles}
-        first = args.profiles[0].name
-        print(f"\n## {name}: {spec.title}, {steps} steps; {first}\n")
-        print(table(priced[first]))
-        if len(args.profiles) > 1:
-            print(f"\nspeed-up by profile (unpatched ms/step in the head):\n")
-            print(profile_table(priced))
-        for hw_name, rows in priced.items():
-            report["models"][name]["profiles"][hw_name] = [dataclasses.asdict(r) for r in rows]
+        first = args.profiles[0]
+        priced = {(hw.name, regime): price(recorded, hw, args.how, args.sweep and hw is first, regime)
+                  for hw in args.profiles for regime in args.regimes}
+        print(f"\n## {name}: {spec.title}, {steps} steps; {first.name}, {args.regimes[0]}\n")
+        print(table(priced[first.name, args.regimes[0]]))
+        if len(priced) > 1:
+            print(f"\nspeed-up by profile and regime (unpatched ms/step in the head"
+                  f"{'; the sweep range on ' + first.name if args.sweep else ''}):\n")
+            print(profile_table({f"{hw} {regime}": rows for (hw, regime), rows in priced.items()}))
+        budget = kernel_budget(recorded, first, args.how)
+        if budget:
+            print("\n" + budget_line(budget))
+        report["models"][name]["kernel_budget"] = budget
+        for (hw_name, regime), rows in priced.items():
+            report["models"][name]["profiles"].setdefault(hw_name, {})[regime] = [dataclasses.asdict(r) for r in rows]
         sys.stdout.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -11,7 +11,21 @@ A hardware profile is a handful of published or typical numbers, every one writt
   ``kernel_min_us`` (a launch and the gap to the next kernel);
 - the host spends ``host_us_per_kernel`` on each aten op that launches a kernel (and on each op of
   host work) and ``host_us_per_view`` on each one that does not (views, allocations): eager ComfyUI
-  issues every op from one Python thread.
+  issues every op from one Python thread. On a datacenter host that is 25 us (published eager against
+  CUDA-graph timings of SD1.5 on an A100 imply 30-45 ms of host time a step: 20-35 us per
+  kernel-launching op; ``--sweep`` covers that range); on a fast desktop CPU 5 us.
+
+Three regimes (REGIMES): how the kernels reach the GPU.
+- "eager": as above, the host issues every op.
+- "graphs" (CUDA graphs, torch.compile's reduce-overhead mode): the kernels of a model call are replayed
+  from a graph; the host pays ``host_us_per_graph`` per graph, not per kernel, and nothing per view. A
+  graph cannot hold a read-back: a sync ends one and the next kernel starts another. Host work on CPU
+  tensors is still paid op by op. Replayed kernels follow each other closer: ``replay_kernel_min_us``.
+- "compiled" (torch.compile with inductor, and graph replay): as "graphs", and every run of elementwise
+  and copy ops between two GEMM, convolution or attention kernels fuses, one kernel per reduction in it
+  (pointwise ops fuse into the reduction before them, or into the first kernel); a fused kernel moves
+  the bytes of the largest op it holds (it reads its inputs and writes its output once).
+  ComfyUI's few ops around the diffusion model (apply_model's scalings) are priced as inside the graph.
 
 Two ways to add them up per model call:
 - "pipelined" (the estimate): the host issues ops in order; the GPU runs each kernel once it has been
@@ -43,12 +57,14 @@ class Hardware:
     attention_masked_eff: float = 0.20
     bandwidth_eff: float = 0.80
     kernel_min_us: float = 2.0
-    host_us_per_kernel: float = 7.0
-    host_us_per_view: float = 1.5
+    host_us_per_kernel: float = 25.0
+    host_us_per_view: float = 5.0
+    host_us_per_graph: float = 50.0
+    replay_kernel_min_us: float = 1.0
     source: str = ""
 
-    def gpu_seconds(self, op: Op) -> float:
-        """GPU time of one kernel-launching op."""
+    def gpu_seconds(self, op: Op, replayed: bool = False) -> float:
+        """GPU time of one kernel-launching op (``replayed``: from a graph)."""
         memory = op.bytes / (self.bandwidth_tbs * 1e12 * self.bandwidth_eff)
         if op.cls in ("gemm", "conv"):
             gflop = op.flops / 1e9
@@ -62,7 +78,7 @@ class Hardware:
             compute = op.flops / (self.peak_tflops * 1e12 * eff)
         else:
             compute = 0.0
-        return max(compute, memory, self.kernel_min_us * 1e-6)
+        return max(compute, memory, (self.replay_kernel_min_us if replayed else self.kernel_min_us) * 1e-6)
 
     def host_seconds(self, op: Op) -> float:
         return (self.host_us_per_kernel if op.kernel or op.cls == HOST else self.host_us_per_view) * 1e-6
@@ -79,17 +95,23 @@ PROFILES = {
     "l40s": Hardware("l40s", 362.0, 0.864, attention_eff=0.50, attention_masked_eff=0.30, gemm_eff=0.65,
                      gemm_half_gflop=1.0, source="L40S: 362 TFLOP/s bf16 dense, 864 GB/s GDDR6"),
     "rtx4090": Hardware("rtx4090", 165.2, 1.008, attention_eff=0.60, attention_masked_eff=0.40, gemm_eff=0.75,
-                        gemm_half_gflop=0.5, host_us_per_kernel=5.0, host_us_per_view=1.0,
+                        gemm_half_gflop=0.5, host_us_per_kernel=5.0, host_us_per_view=1.0, host_us_per_graph=20.0,
                         source="RTX 4090: 165 TFLOP/s bf16 (fp32 accumulate), 1.01 TB/s; a fast desktop CPU"),
     "rtx3090": Hardware("rtx3090", 71.0, 0.936, attention_eff=0.65, attention_masked_eff=0.45, gemm_eff=0.75,
-                        gemm_half_gflop=0.3, host_us_per_kernel=5.0, host_us_per_view=1.0,
+                        gemm_half_gflop=0.3, host_us_per_kernel=5.0, host_us_per_view=1.0, host_us_per_graph=20.0,
                         source="RTX 3090: 71 TFLOP/s bf16 (fp32 accumulate), 936 GB/s; a fast desktop CPU"),
 }
 
-# Each assumption varied alone (a field and the values it takes), for --sweep.
+DATACENTER = ("h200", "h100", "a100", "l40s")  # host_us_per_kernel 25; the desktop profiles 5
+DESKTOP = ("rtx4090", "rtx3090")
+
+# Each assumption varied alone (a field and the factors it takes), for --sweep: the host per op over the
+# published range (20-35 us around 25 on a datacenter host).
 SWEEP = (
-    ("host_us_per_kernel", (0.5, 2.0)),
+    ("host_us_per_kernel", (0.8, 1.4)),
     ("host_us_per_view", (0.0, 2.0)),
+    ("host_us_per_graph", (0.5, 2.0)),
+    ("replay_kernel_min_us", (0.5, 2.0)),
     ("gemm_eff", (0.8, 1.2)),
     ("gemm_half_gflop", (0.25, 4.0)),
     ("conv_eff", (0.8, 1.2)),
@@ -126,38 +148,123 @@ def swept(hw: Hardware):
             yield f"{name} x{factor:g}", dataclasses.replace(hw, **{name: value})
 
 
+@dataclass(frozen=True)
+class Regime:
+    """How a model call's kernels reach the GPU (the module docstring): ``replay``, from a graph, the host
+    paying per graph; ``fuse``, inductor's fusion of elementwise and copy chains."""
+
+    name: str
+    replay: bool
+    fuse: bool
+    title: str
+
+
+REGIMES = {r.name: r for r in (
+    Regime("eager", False, False, "eager PyTorch: the host issues every op"),
+    Regime("graphs", True, False, "graph replay (CUDA graphs, torch.compile mode reduce-overhead): the host pays "
+                                  "per graph"),
+    Regime("compiled", True, True, "torch.compile (inductor): elementwise and copy chains fused, and graph replay"),
+)}
+
+FUSIBLE = ("elementwise", "copy")
+# aten reductions: inductor gives each of them a kernel of its own (the pointwise ops before it fuse into it)
+REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "std_mean", "_softmax",
+              "_log_softmax", "native_layer_norm", "native_group_norm", "_fused_rms_norm", "norm",
+              "linalg_vector_norm", "logsumexp", "prod", "cumsum", "argmax", "argmin", "topk", "sort", "any", "all"}
+
+
+def fused(ops: list[Op]) -> list[Op]:
+    """``ops`` as inductor runs them: each run of elementwise and copy kernels (views and host work between
+    them do not break it; a sync, another class of kernel or a change of merge stage does) becomes one
+    kernel per reduction it holds (at least one), moving the bytes of the largest op it takes in."""
+    out: list[Op] = []
+    chain: list[Op] = []
+
+    def close():
+        if not chain:
+            return
+        parts, current = [], []
+        for op in chain:
+            if op.name in REDUCTIONS and any(o.name in REDUCTIONS for o in current):
+                parts.append(current)
+                current = []
+            current.append(op)
+        parts.append(current)
+        for part in parts:
+            out.append(Op("fused:" + "+".join(dict.fromkeys(o.name for o in part)), "elementwise", 0,
+                          max(o.bytes for o in part), True, False, 0, part[0].stage))
+        chain.clear()
+
+    for op in ops:
+        if op.kernel and op.cls in FUSIBLE and not op.sync:
+            if chain and chain[-1].stage != op.stage:
+                close()
+            chain.append(op)
+        elif op.kernel or op.sync:
+            close()
+            out.append(op)
+        else:
+            out.append(op)
+    close()
+    return out
+
+
 @dataclass
 class CallCost:
     """What one model call costs under a profile: seconds (the chosen way of adding up), the GPU and host
-    totals, the critical seconds of each merge stage (each op's larger of GPU and host time), and GPU
-    seconds per op class."""
+    totals, the critical seconds of each merge stage (each op's larger of GPU and host time), GPU
+    seconds per op class, and the kernels launched (after fusion) and graphs replayed."""
 
     seconds: float
     gpu: float
     host: float
     stages: dict
     classes: dict
+    kernels: int = 0
+    graphs: int = 0
 
 
-def call_cost(ops: list[Op], hw: Hardware, how: str = "pipelined") -> CallCost:
+def call_cost(ops: list[Op], hw: Hardware, how: str = "pipelined", regime: Regime | str = "eager") -> CallCost:
     if how not in ("pipelined", "additive"):
         raise ValueError(f"how must be 'pipelined' or 'additive', got {how!r}")
+    if isinstance(regime, str):
+        if regime not in REGIMES:
+            raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {regime!r}")
+        regime = REGIMES[regime]
+    if regime.fuse:
+        ops = fused(ops)
     host = gpu = gpu_total = host_total = 0.0
+    issued = 0.0  # when the host issued the current kernel (eager) or launched the current graph (replay)
     stages = {"select": 0.0, "merge": 0.0, "unmerge": 0.0}
     classes = dict.fromkeys(OP_CLASSES, 0.0)
+    kernels = graphs = 0
+    in_graph = False
     for op in ops:
-        h = hw.host_seconds(op)
+        if not regime.replay:
+            h = hw.host_seconds(op)
+        elif op.cls == HOST:
+            h = hw.host_us_per_kernel * 1e-6  # host work stays outside the graph; its kernels do not wait for it
+        elif op.kernel and not in_graph:
+            h = hw.host_us_per_graph * 1e-6
+            in_graph = True
+            graphs += 1
+        else:
+            h = 0.0
         host += h
         host_total += h
+        if not regime.replay or (op.kernel and h):
+            issued = host
         g = 0.0
         if op.kernel:
-            g = hw.gpu_seconds(op)
-            gpu = max(gpu, host) + g
+            g = hw.gpu_seconds(op, replayed=regime.replay)
+            gpu = max(gpu, issued) + g
             gpu_total += g
             classes[op.cls] += g
+            kernels += 1
         if op.sync:
             host = max(host, gpu)
+            in_graph = False
         if op.stage is not None:
             stages[op.stage] += max(g, h)
     seconds = max(host, gpu) if how == "pipelined" else host_total + gpu_total
-    return CallCost(seconds, gpu_total, host_total, stages, classes)
+    return CallCost(seconds, gpu_total, host_total, stages, classes, kernels, graphs)
