@@ -21,13 +21,16 @@ EVENT = "comfyui_toma.stats"
 
 def stats_lines(summary: dict) -> list[str]:
     """Short human lines for a runtime summary: one per merged level (most tokens first), one per level
-    left to another node (the node named, and what it did), or why nothing merges, then the shares
+    left to another node (the node named, and what it did), one per reason block calls ran unmerged
+    (``MergeRuntime.unmerged``: the calls counted), or why nothing merges, then the shares
     of the sampling wall time spent selecting destinations, merging and unmerging (device time from CUDA
     events on CUDA, host time elsewhere: the summary's ``clock``)."""
     levels = sorted(summary["levels"].items(), key=lambda item: -item[1]["tokens"])  # as the merge map counts
     lines = [f"{name}: {v['tokens']} -> {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
     lines += [f"{name}: left to {left['node']}, which {left['why']}"
               for name, left in summary.get("left_to", {}).items()]
+    lines += [f"ran unmerged: {reason} ({calls} block call{'s' if calls != 1 else ''})"
+              for reason, calls in summary.get("unmerged", {}).items()]
     if not lines:
         lines = [f"nothing merges: {why}" for why in summary.get("nothing_merges", ())] or \
                 ["no step merged (no matching level or outside start/end percent)"]

@@ -59,6 +59,14 @@ from ..runtime import Level, MergeRuntime
 log = logging.getLogger("ComfyUI-ToMA")
 
 LAYOUT_KEY = "comfyui_toma_image_layout"  # transformer_options key, set and removed by the wrapper
+# set in the model call's transformer_options by the first block that sees a sequence-parallel slab, so its
+# later blocks (a joint sequence whose text share is unknown) step aside too; removed with LAYOUT_KEY
+SLAB_KEY = "comfyui_toma_sequence_parallel"
+# Why a block call the node would merge runs unmerged (MergeRuntime.unmerged: the run report counts them)
+NO_LAYOUT = "no token layout"
+TOKEN_COUNT = "token count differs from the layout"
+POSITIONS = "positions do not fit"
+SLAB = "sequence-parallel slab"
 ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
 # Block groups, named by their role (the names plans, stats and the merge map use):
 TWO_STREAM = "two-stream"  # image and text in streams of their own, one joint attention (Flux's double blocks)
@@ -223,10 +231,18 @@ class LayoutStash:
         if not isinstance(options, dict) or layout is None:
             return executor(*args, **kwargs)
         options[LAYOUT_KEY] = layout
+        # on the runtime too, for blocks called without transformer_options (TeaCache's and MagCache's own
+        # forward_orig); the previous one back after a nested call
+        previous = None if self.runtime is None else self.runtime.model_call
+        if self.runtime is not None:
+            self.runtime.model_call = options
         try:
             return executor(*args, **kwargs)
         finally:
             options.pop(LAYOUT_KEY, None)
+            options.pop(SLAB_KEY, None)
+            if self.runtime is not None:
+                self.runtime.model_call = previous
 
 
 def splice(seq: torch.Tensor, ranges, parts) -> torch.Tensor:
@@ -308,8 +324,8 @@ class MergedAttention:
 
     def __call__(self, func, q, k, v, heads, *args, **kwargs):
         if not self.fits(q, k, v, args, kwargs):
-            self.runtime.notice("a double block's attention call does not have the layout ToMA expects; "
-                                "it runs unmerged")
+            self.runtime.unmerged("attention call layout", "a double block's attention call does not have the "
+                                  "layout ToMA expects; it runs unmerged")
             return self.attend(func, q, k, v, heads, *args, **kwargs)
         try:
             with self.runtime.stage("merge"):
@@ -318,7 +334,8 @@ class MergedAttention:
             with self.runtime.stage("unmerge"):
                 return self.unmerge(out)
         except Exception as e:  # never crash mid-sampling: this attention call runs unmerged
-            self.runtime.notice("merged attention failed (%s); those calls run unmerged", f"{type(e).__name__}: {e}")
+            self.runtime.unmerged("merged attention failed", "merged attention failed (%s); those calls run "
+                                  "unmerged", f"{type(e).__name__}: {e}")
             return self.attend(func, q, k, v, heads, *args, **kwargs)
 
 
@@ -381,38 +398,103 @@ class DiTPatch:
         block group of the call (TWO_STREAM, JOINT, VIDEO)."""
         return positions_fit(args, txt_len, layout, self.pe_axis_of(args))
 
+    def call_options(self, args: dict, extras: dict | None = None) -> dict | None:
+        """The transformer_options of the model call a block call belongs to, the layout in them: the
+        block's own, else those handed beside ``original_block`` (Wan's copy of forward_orig in TeaCache
+        and MagCache), else the model call's, stashed on the runtime by the LayoutStash (a cache node's own
+        forward_orig calls the blocks without them); None, counted, where none has a layout."""
+        for options in (args.get("transformer_options"), (extras or {}).get("transformer_options"),
+                        self.runtime.model_call):
+            if isinstance(options, dict) and LAYOUT_KEY in options:
+                return options
+        self.runtime.unmerged(NO_LAYOUT, "%s runs blocks unmerged that find no token layout, neither in their "
+                              "transformer_options nor from their model call (a latent ToMA does not read, or a node "
+                              "that replaced the diffusion model's forward)", self.runtime.name)
+        return None
+
+    def with_options(self, args: dict, options: dict) -> dict:
+        """``args`` with the model call's ``options`` where the caller passed none (the merging code reads
+        the sampling step from them)."""
+        return args if isinstance(args.get("transformer_options"), dict) else {**args, "transformer_options": options}
+
+    def tokens_fit(self, tokens: int, expected: int, options: dict) -> bool:
+        """Whether a block call's ``tokens`` are the ``expected`` ones of its layout; where not, why it runs
+        unmerged is counted: fewer is a sequence-parallel slab (raylight's USP gives each rank one contiguous
+        slab of the sequence, the last one padded), for which ToMA steps aside for the whole model call;
+        more is another patch's tokens."""
+        if options.get(SLAB_KEY) or tokens < expected:
+            options[SLAB_KEY] = True
+            self.runtime.unmerged(SLAB, "%s steps aside: the blocks see a slab of their model call's tokens (%d of "
+                                  "%d: sequence parallelism, e.g. raylight's USP), and ToMA does not merge within "
+                                  "slabs; this model runs unmerged", self.runtime.name, tokens, expected)
+            return False
+        if tokens != expected:
+            self.runtime.unmerged(TOKEN_COUNT, "%s runs a block unmerged: it has %d tokens where its layout has %d "
+                                  "(another patch's tokens)", self.runtime.name, tokens, expected)
+            return False
+        return True
+
+    def positions_fit_or_count(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
+        """``fits``, with the call counted as unmerged where it does not."""
+        if self.fits(args, group, txt_len, layout):
+            return True
+        self.runtime.unmerged(POSITIONS, "%s runs %s blocks unmerged whose per-token inputs (positions, masks, "
+                              "modulation) do not cover their tokens as ToMA expects (another patch changed them)",
+                              self.runtime.name, group)
+        return False
+
     def double_block(self, args: dict, extras: dict) -> dict:
         """Image stream [lead, image, extra] (B, N + E, C) merged; text stream (B, L, C) or None passes whole."""
         run, img, txt = extras["original_block"], args["img"], args.get("txt")
-        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        txt_len = 0 if txt is None else txt.shape[1]
-        if layout is None or img.shape[1] != layout.total or not self.fits(args, TWO_STREAM, txt_len, layout):
+        options = self.call_options(args, extras)
+        if options is None:
             return run(args)
-        if self.attention_only:
+        layout, passed = options[LAYOUT_KEY], isinstance(args.get("transformer_options"), dict)
+        txt_len = 0 if txt is None else txt.shape[1]
+        if (not self.tokens_fit(img.shape[1], layout.total, options)
+                or not self.positions_fit_or_count(args, TWO_STREAM, txt_len, layout)):
+            return run(args)
+        args = self.with_options(args, options)
+        if self.attention_only and passed:
             return self.attention_merged_call(args, run, txt_len, layout)
+        if self.attention_only:
+            self.runtime.notice("double blocks are called without transformer_options (a cache node's own "
+                                "forward_orig), which would drop the merged attention; they merge whole blocks "
+                                "(scope block)")
         return self.merged_call(TWO_STREAM, args, run, layout.lead, txt_len, layout)
 
     def single_block(self, args: dict, extras: dict) -> dict:
         """Joint sequence [txt, lead, image, extra] ([lead, image, extra, txt] with ``image_first``): the
         image part merged, the rest whole."""
         run, x = extras["original_block"], args["img"]
-        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        txt_len = -1 if layout is None else x.shape[1] - layout.total
-        if txt_len < 0 or not self.fits(args, JOINT, txt_len, layout):
+        options = self.call_options(args, extras)
+        if options is None:
+            return run(args)
+        layout = options[LAYOUT_KEY]
+        txt_len = x.shape[1] - layout.total
+        if (not self.tokens_fit(min(x.shape[1], layout.total), layout.total, options)
+                or not self.positions_fit_or_count(args, JOINT, txt_len, layout)):
             return run(args)
         start = layout.lead + (0 if self.image_first else txt_len)
-        return self.merged_call(JOINT, args, run, start, txt_len, layout)
+        return self.merged_call(JOINT, self.with_options(args, options), run, start, txt_len, layout)
 
     def block(self, args: dict, extras: dict) -> dict:
         """A block over one sequence of video tokens [lead, video, extra] (B, L, C) (LTX-Video, Wan): the
-        grid merged; the text reaches it through cross-attention and passes whole, and so does a call the
-        layout does not account for."""
+        grid merged; the text reaches it through cross-attention and passes whole, and a call the layout
+        does not account for runs unmerged, counted."""
         run, img = extras["original_block"], args["img"]
-        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        if (layout is None or not torch.is_tensor(img) or img.shape[1] != layout.total
-                or not self.fits(args, VIDEO, 0, layout)):
+        options = self.call_options(args, extras)
+        if options is None:
             return run(args)
-        return self.merged_call(VIDEO, args, run, layout.lead, 0, layout)
+        layout = options[LAYOUT_KEY]
+        if not torch.is_tensor(img):
+            self.runtime.unmerged(TOKEN_COUNT, "%s runs a block unmerged whose tokens are not one tensor",
+                                  self.runtime.name)
+            return run(args)
+        if (not self.tokens_fit(img.shape[1], layout.total, options)
+                or not self.positions_fit_or_count(args, VIDEO, 0, layout)):
+            return run(args)
+        return self.merged_call(VIDEO, self.with_options(args, options), run, layout.lead, 0, layout)
 
     def reduced_inputs(self, call: BlockCall) -> dict:
         """The block's per-token inputs besides the tokens (``pe``, ``attn_mask``), cut to the merged

@@ -25,7 +25,7 @@ patch size 2.
 """
 import torch
 
-from .dit import (JOINT, LAYOUT_KEY, TWO_STREAM, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, sequence_index,
+from .dit import (JOINT, LAYOUT_KEY, POSITIONS, TWO_STREAM, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, sequence_index,
                   take_rows)
 
 ROPE_TOKEN_AXIS = 1
@@ -66,15 +66,19 @@ class HiDreamPatch(DiTPatch):
                                transformer_options=transformer_options)
                 return {"img": out[0], "txt": out[1]} if group == TWO_STREAM else {"img": out}
 
-            layout = (transformer_options or {}).get(LAYOUT_KEY)
+            options = patch.call_options({"transformer_options": transformer_options})
             joint = image_tokens.shape[1] + (0 if text_tokens is None else text_tokens.shape[1])
-            txt_len = -1 if layout is None else joint - layout.total
             args = {"img": image_tokens, "pe": rope, "transformer_options": transformer_options}
-            if (txt_len < 0 or image_tokens_masks is not None or (group == TWO_STREAM) != (text_tokens is not None)
-                    or not torch.is_tensor(rope) or rope.dim() <= ROPE_TOKEN_AXIS or rope.shape[ROPE_TOKEN_AXIS] != joint):
+            layout = None if options is None else options[LAYOUT_KEY]
+            if layout is None or not patch.tokens_fit(min(joint, layout.total), layout.total, options):
+                out = run(args)
+            elif (image_tokens_masks is not None or (group == TWO_STREAM) != (text_tokens is not None)
+                  or not torch.is_tensor(rope) or rope.dim() <= ROPE_TOKEN_AXIS or rope.shape[ROPE_TOKEN_AXIS] != joint):
+                patch.runtime.unmerged(POSITIONS, "HiDream: a block's masks, text stream or RoPE table do not cover "
+                                       "its tokens as ToMA expects; those blocks run unmerged")
                 out = run(args)
             else:
-                out = patch.merged_call(group, args, run, 0, txt_len, layout)
+                out = patch.merged_call(group, patch.with_options(args, options), run, 0, joint - layout.total, layout)
             return (out["img"], out["txt"]) if group == TWO_STREAM else out["img"]
 
         forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one

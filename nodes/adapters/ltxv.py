@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dit import (LAYOUT_KEY, VIDEO, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, splice,
+from .dit import (LAYOUT_KEY, TOKEN_COUNT, VIDEO, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, splice,
                   take_rows, take_sequence)
 
 VIDEO_KEYS = "comfyui_toma_ltx2_video_keys"  # the block's own transformer_options: VideoKeys for its v2a attention
@@ -163,10 +163,17 @@ class LTX2Patch(LTXVPatch):
 
     def av_block(self, args: dict, extras: dict) -> dict:
         run, pair = extras["original_block"], args["img"]
-        layout = (args.get("transformer_options") or {}).get(LAYOUT_KEY)
-        if (layout is None or not isinstance(pair, (tuple, list)) or len(pair) != 2 or not torch.is_tensor(pair[0])
-                or pair[0].shape[1] != layout.total or not self.fits(args, VIDEO, 0, layout)):
+        options = self.call_options(args, extras)
+        if options is None:
             return run(args)
+        layout = options[LAYOUT_KEY]
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not torch.is_tensor(pair[0]):
+            self.runtime.unmerged(TOKEN_COUNT, "LTX-2: a block call's tokens are not a (video, audio) pair; it runs unmerged")
+            return run(args)
+        if (not self.tokens_fit(pair[0].shape[1], layout.total, options)
+                or not self.positions_fit_or_count(args, VIDEO, 0, layout)):
+            return run(args)
+        args = self.with_options(args, options)
         vx, ax = pair
         audio = []
 

@@ -30,7 +30,7 @@ attention_mask, **kwargs)``, which sees the latent (B, 16, H, W).
 
 import torch
 
-from .dit import (JOINT, LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, joint_index, patched_side,
+from .dit import (JOINT, LAYOUT_KEY, POSITIONS, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, joint_index, patched_side,
                   take_rows, take_sequence)
 
 PE_TOKEN_AXIS = 1
@@ -73,17 +73,22 @@ class NextDiTPatch(DiTPatch):
                 return {"img": original(args["img"], args["attn_mask"], args["pe"], adaln_input,
                                         transformer_options=transformer_options, **newer)}
 
-            layout = (transformer_options or {}).get(LAYOUT_KEY)
-            txt_len = -1 if layout is None else x.shape[1] - layout.total
+            options = patch.call_options({"transformer_options": transformer_options})
+            layout = None if options is None else options[LAYOUT_KEY]
             given = sorted(name for name, value in newer.items() if value is not None)
             if given:
-                patch.runtime.notice("Lumina 2 / Z-Image: layers given %s, which ToMA does not merge, run "
-                                     "unmerged", ", ".join(given))
-            if given or txt_len < 0 or not layer_inputs_fit(x_mask, freqs_cis, txt_len + layout.total):
+                patch.runtime.unmerged("inputs ToMA does not merge", "Lumina 2 / Z-Image: layers given %s, which "
+                                       "ToMA does not merge, run unmerged", ", ".join(given))
+            if given or layout is None or not patch.tokens_fit(min(x.shape[1], layout.total), layout.total, options):
+                return run({"img": x, "attn_mask": x_mask, "pe": freqs_cis})["img"]
+            txt_len = x.shape[1] - layout.total
+            if not layer_inputs_fit(x_mask, freqs_cis, x.shape[1]):
+                patch.runtime.unmerged(POSITIONS, "Lumina 2 / Z-Image: a layer's mask or RoPE table does not cover "
+                                       "its tokens as ToMA expects; those layers run unmerged")
                 return run({"img": x, "attn_mask": x_mask, "pe": freqs_cis})["img"]
 
             args = {"img": x, "attn_mask": x_mask, "pe": freqs_cis, "transformer_options": transformer_options}
-            return patch.merged_call(JOINT, args, run, txt_len, txt_len, layout)["img"]
+            return patch.merged_call(JOINT, patch.with_options(args, options), run, txt_len, txt_len, layout)["img"]
 
         forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one
         return forward

@@ -27,6 +27,11 @@ from ..runtime import Level, MergeRuntime, hold, unet_level
 
 log = logging.getLogger("ComfyUI-ToMA")
 
+# Why a block call the node would merge runs unmerged (MergeRuntime.unmerged: the run report counts them)
+OTHER_TOKENS = "another patch's tokens"  # another node changed the block's tokens or keys first
+OTHER_ATTENTION = "another patch's attention"  # another node replaced the block's self-attention
+OTHER_CODE = "another patch's code"  # scope block: the block runs another node's patches on its full tokens
+
 LEVEL_CHOICES = ("auto", "auto+next", "all", "1", "2", "4", "1,2", "2,4")
 
 
@@ -144,9 +149,9 @@ class UNetPatch:
         level = unet_level(*grid)
         if tuple(x.shape[:2]) != tuple(arrived) or keys_changed:
             taker = self.runtime.leave(level, transformer_options, lambda: self.token_changer(level))
-            self.runtime.notice("%s leaves level %s unmerged: %s changed its tokens or keys first (%d tokens in batch "
-                                "%d instead of %d in batch %d)", self.runtime.name, level, taker,
-                                x.shape[1], x.shape[0], arrived[1], arrived[0])
+            self.runtime.unmerged(OTHER_TOKENS, "%s leaves level %s unmerged: %s changed its tokens or keys first (%d "
+                                  "tokens in batch %d instead of %d in batch %d)", self.runtime.name, level, taker,
+                                  x.shape[1], x.shape[0], arrived[1], arrived[0])
             return None
         block = (tuple(transformer_options.get("block") or ()), transformer_options.get("block_index", 0))
         return self.runtime.plan(level, block, x, features, transformer_options)
@@ -174,9 +179,9 @@ class UNetPatch:
                 # SAG and PAG replace it; a nearer token merge node with proportional attention runs it itself
                 level = unet_level(*grid)
                 taker = self.runtime.leave(level, options, lambda: self.token_changer(level))
-                self.runtime.notice("%s leaves level %s unmerged in the blocks whose self-attention %s "
-                                    "replaced (SAG, PAG, or a nearer token merge node)", self.runtime.name, level,
-                                    taker)
+                self.runtime.unmerged(OTHER_ATTENTION, "%s leaves level %s unmerged in the blocks whose "
+                                      "self-attention %s replaced (SAG, PAG, or a nearer token merge node)",
+                                      self.runtime.name, level, taker)
         self.current = (extra_options, tuple(n.shape[:2]), context_attn1 is None or context_attn1 is n)
         return n, context_attn1, value_attn1
 
@@ -244,10 +249,10 @@ class UNetPatch:
         replaced = replaced_attention(transformer_options)
         if not lists and not replaced:
             return False
-        self.runtime.notice("%s (scope block) leaves the blocks with %s of another node unmerged: that "
-                            "code expects the block's full tokens", self.runtime.name,
-                            " and ".join([f"{name} patches" for name in lists] +
-                                         [f"an {name} replacement" for name in replaced]))
+        self.runtime.unmerged(OTHER_CODE, "%s (scope block) leaves the blocks with %s of another node unmerged: "
+                              "that code expects the block's full tokens", self.runtime.name,
+                              " and ".join([f"{name} patches" for name in lists] +
+                                           [f"an {name} replacement" for name in replaced]))
         return True
 
 

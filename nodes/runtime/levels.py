@@ -89,7 +89,8 @@ class RunReport:
     otherwise); schedule: its sigmas. levels: the merged levels' stats. plans: the cached plans by key.
     shared_destinations: (level, rows) -> the destinations the level's blocks share this step.
     left_to: levels another node took. nothing_merges: why nothing merges, in words. failed: the plans
-    that could not be built (their blocks run unmerged). seconds: time per stage (``clock`` says which
+    that could not be built (their blocks run unmerged). unmerged: reason -> block calls that ran unmerged
+    although the node would merge them (``MergeRuntime.unmerged``). seconds: time per stage (``clock`` says which
     clock); wall_seconds: the run's wall time so far (None outside a run)."""
 
     method: str
@@ -101,6 +102,7 @@ class RunReport:
     left_to: dict
     nothing_merges: tuple
     failed: frozenset
+    unmerged: dict
     seconds: dict
     clock: str
     wall_seconds: float | None
@@ -115,6 +117,7 @@ class RunReport:
                        for level, s in self.levels.items()},
             "nothing_merges": list(self.nothing_merges),
             "left_to": {level.label: left._asdict() for level, left in self.left_to.items()},
+            "unmerged": dict(self.unmerged),
             "seconds": self.seconds,
             "clock": self.clock,
             "wall_seconds": self.wall_seconds,

@@ -33,6 +33,9 @@ class MergeRuntime:
         self.stages = StageClock(("select", "merge", "unmerge"))
         self.run_listeners = []  # called with summary() when a run ends (the live stats)
         self.notices: set = set()  # messages already logged (once per patched model)
+        # the transformer_options of the model call under way, stashed by the DiT adapters' model-call wrapper
+        # (dit.LayoutStash) for blocks called without them (a cache node's own forward_orig)
+        self.model_call: dict | None = None
         self._plans: dict[PlanKey, object] = {}
         self._shared: dict = {}  # (level, rows) -> (step, destinations) where a level's blocks share them
         self._generators: dict = {}  # device -> the run's generator, advanced by every plan built
@@ -40,6 +43,7 @@ class MergeRuntime:
         self._levels: dict[Level, LevelStats] = {}
         self._idle: set[str] = set()  # why this run merges nothing (strategy.merges_nothing)
         self._left_to: dict[Level, LeftTo] = {}  # levels another node took (leave)
+        self._unmerged: dict[str, int] = {}  # reason -> block calls this run left unmerged (unmerged)
         self._run_started = None
         self._in_run = False  # begin_run seen, end_run not yet
         self._unreported = False  # the model ran since the last end_run
@@ -57,11 +61,23 @@ class MergeRuntime:
         self.notices.add(message)
         log.warning("ToMA: " + message, *args)
 
+    def unmerged(self, reason: str, message: str, *args) -> None:
+        """Count a block call that runs unmerged although the node would merge it, under ``reason`` (a few
+        words: the key of the run report's ``unmerged``), and log ``message % args`` (saying that it runs
+        unmerged, and why) the first time the patched model meets that reason. A host-side count, no tensor
+        read: safe in a model call."""
+        self._unmerged[reason] = self._unmerged.get(reason, 0) + 1
+        self._unreported = True  # a run whose blocks all ran unmerged still reports why
+        key = ("unmerged", reason)
+        if key not in self.notices:
+            self.notices.add(key)
+            log.warning("ToMA: " + message, *args)
+
     # -- run boundaries -------------------------------------------------------------------------
     def begin_run(self, schedule=None, model_sampling=None):
         """A clean slate for a sampling run (``StepLocator.begin`` says what the arguments are)."""
         for cache in (self._plans, self._shared, self._generators, self._failed, self._levels, self._idle,
-                      self._left_to):
+                      self._left_to, self._unmerged):
             cache.clear()
         self.stages.reset()
         self.strategy.schedule.reset()
@@ -121,9 +137,12 @@ class MergeRuntime:
         rows = batch_key(x, transformer_options)
         key = PlanKey(level, None if self.strategy.shares_plans else block, rows)
         if key in self._failed:
+            self.unmerged("no plan", "%s leaves %s unmerged: it could not build a merge plan", self.name, level)
             return None
         where = self.locate(transformer_options)
         if where is None:
+            self.unmerged("no sampling step", "%s leaves %s unmerged: its model call carries no sigmas, so its "
+                          "sampling step is unknown", self.name, level)
             return None
         idle = self.strategy.merges_nothing(level.grid)
         if idle is not None:
@@ -142,8 +161,8 @@ class MergeRuntime:
                     plan = self.build(level, rows, where.step, features, given)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
                 self._failed.add(key)
-                self.notice("%s leaves %s unmerged: it could not build a merge plan for %s (the error is in "
-                            "the debug log)", self.name, level, grid_in_words(level.grid))
+                self.unmerged("no plan", "%s leaves %s unmerged: it could not build a merge plan for %s (the error "
+                              "is in the debug log)", self.name, level, grid_in_words(level.grid))
                 log.debug("ToMA: %s could not build a plan for %s", self.name, level, exc_info=True)
                 return None
             self._plans[key] = plan
@@ -213,6 +232,7 @@ class MergeRuntime:
                     for level, s in self._levels.items()},
             plans=dict(self._plans), shared_destinations={k: v[1] for k, v in self._shared.items()},
             left_to=dict(self._left_to), nothing_merges=tuple(sorted(self._idle)), failed=frozenset(self._failed),
+            unmerged=dict(self._unmerged),
             seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall)
 
     def summary(self) -> dict:
