@@ -24,7 +24,8 @@ def stats_lines(summary: dict) -> list[str]:
     left to another node (the node named, and what it did), one per reason block calls ran unmerged
     (``MergeRuntime.unmerged``: the calls counted), or why nothing merges, then the shares
     of the sampling wall time spent selecting destinations, merging and unmerging (device time from CUDA
-    events on CUDA, host time elsewhere: the summary's ``clock``)."""
+    events on CUDA, host time elsewhere: the summary's ``clock``); before those shares, what the patched
+    model does otherwise than its node asks (``caveats``)."""
     levels = sorted(summary["levels"].items(), key=lambda item: -item[1]["tokens"])  # as the merge map counts
     lines = [f"{name}: {v['tokens']} -> {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
     lines += [f"{name}: left to {left['node']}, which {left['why']}"
@@ -34,6 +35,7 @@ def stats_lines(summary: dict) -> list[str]:
     if not lines:
         lines = [f"nothing merges: {why}" for why in summary.get("nothing_merges", ())] or \
                 ["no step merged (no matching level or outside start/end percent)"]
+    lines += summary.get("caveats", ())
     wall = summary.get("wall_seconds")
     if wall:
         shares = " · ".join(f"{kind} {100 * s / wall:.1f}%" for kind, s in summary["seconds"].items())

@@ -4,13 +4,15 @@ adapters; what "auto" means per family; the log line when a family cannot honour
 - "attention": the self-attention runs on merged tokens: queries, keys and values come from them and the
   output is unmerged (the paper's placement on UNets; on Flux-layout double blocks, the joint attention).
 - "keys/values": queries stay at full resolution, keys and values come from merged tokens; the output
-  has every token, so nothing is unmerged (UNets).
+  has every token, so nothing is unmerged (UNets; the self-attention of every DiT but SD3, whose blocks
+  otherwise run whole).
 - "queries": queries come from merged tokens, keys and values from every token; the output is unmerged
   (ComfyUI ToMe's placement, with ToMA's weights) (UNets).
 - "block": the whole transformer block (self-attention, cross-attention, feed-forward) runs on merged
   tokens and its update is unmerged.
-Where keys are merged ("attention", "keys/values"), ``proportional`` attention weighs each merged key
-by the tokens it stands for (toma_core.attention).
+Where keys are merged inside the attention call ("attention", "keys/values"), ``proportional`` attention
+weighs each merged key by the tokens it stands for (toma_core.attention); with "block" it is not honoured,
+and the log and the stats say so.
 """
 import logging
 from dataclasses import dataclass

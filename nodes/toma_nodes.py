@@ -9,7 +9,8 @@ import logging
 
 from ..toma_core import CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, ReuseSchedule, ToMA, ToMeSD
 from . import placement
-from .adapters import adapter_for, attention_placement_families, family_names, supported_families, unet
+from .adapters import (adapter_for, attention_placement_families, family_names, keys_values_families,
+                       supported_families, unet)
 from .inputs import check_inputs
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
@@ -133,8 +134,10 @@ class ToMAPatchModel(ModelPatchNode):
 
 
 class ToMAPatchModelAdvanced(ModelPatchNode):
-    DESCRIPTION = ("ToMA token merging with every knob: what runs merged (scope; on UNets, and on "
-                   f"{in_words(attention_placement_families())} double blocks), which UNet levels, how often weights are refreshed, the "
+    DESCRIPTION = ("ToMA token merging with every knob: what runs merged (scope: on UNets; on every DiT but "
+                   "SD3, keys/values; on "
+                   f"{in_words(attention_placement_families())} double blocks, attention), which UNet levels, how "
+                   "often weights are refreshed, the "
                    "part of the schedule that merges and which of its steps, softmax sharpness and exact "
                    "pseudo-inverse unmerging.")
 
@@ -148,12 +151,15 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                     "default": "auto",
                     "tooltip": "attention: only self-attention runs on merged tokens. block: self-attention, "
                                "cross-attention and feed-forward all run merged (faster, more change). "
-                               "keys/values (UNets): queries stay whole, keys and values come from merged "
-                               "tokens, nothing to unmerge. queries (UNets): queries merged, keys and values "
-                               f"whole. On {in_words(attention_placement_families())} double blocks, attention "
-                               "merges only the joint attention (the paper's placement) and block the whole "
-                               "block; their single blocks, and all blocks of the other DiTs, always run whole "
-                               "on merged image tokens. auto: " + placement.auto_in_words() + "."}),
+                               "keys/values: queries stay whole, keys and values come from merged tokens, "
+                               "nothing to unmerge (UNets, and the self-attention of every block of "
+                               f"{in_words(keys_values_families())}: the rest of the block runs whole, text and "
+                               "cross-attention untouched; pays on long sequences: video, 2048 px). queries "
+                               "(UNets): queries merged, keys and values whole. On "
+                               f"{in_words(attention_placement_families())} double blocks, attention merges only "
+                               "the joint attention (the paper's placement) and block the whole block; their "
+                               "single blocks then run whole on merged image tokens. auto: "
+                               + placement.auto_in_words() + "."}),
                 "levels": (list(unet.LEVEL_CHOICES), {
                     "default": "auto",
                     "tooltip": "UNet resolutions to merge, as downsample factors. auto: the highest-resolution "
@@ -181,10 +187,11 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                 "plan_per_block": ("BOOLEAN", {"default": False, "tooltip": "Each block picks destinations and "
                                    "weights from its own input (reused across steps per block); off = one plan "
                                    "per level or block group, built from its first block."}),
-                "proportional_attention": ("BOOLEAN", {"default": False, "tooltip": "UNets, scopes attention "
-                                           "and keys/values: a merged key weighs in the softmax as the tokens "
-                                           "it stands for (ToMe's proportional attention; fused attention "
-                                           "kernels still apply)."}),
+                "proportional_attention": ("BOOLEAN", {"default": False, "tooltip": "Scopes attention and "
+                                           "keys/values (UNets and DiTs): a merged key weighs in the softmax as "
+                                           "the tokens it stands for (ToMe's proportional attention; no mask: "
+                                           "fused attention kernels, FlashAttention and SageAttention still "
+                                           "apply). Not honoured with scope block: the log and the stats say so."}),
                 "shared_destinations": ("BOOLEAN", {"default": False, "tooltip": "With plan_per_block: the "
                                         "first block of each level or block group chooses the destinations, "
                                         "each block computes its own weights to them (one selection per level "

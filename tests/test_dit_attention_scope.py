@@ -186,3 +186,141 @@ def test_one_double_block_by_hand(pack, flux):
 
     assert torch.allclose(got["img"], img_out, atol=1e-5) and torch.allclose(got["txt"], txt_out, atol=1e-5)
     assert not torch.allclose(got["img"], unmerged["img"], atol=1e-3)  # the merge changes the block
+
+
+# -- scope keys/values and proportional attention, by hand ------------------------------------------------
+
+class Clock:
+    """A stand-in runtime for an override called by hand: no stage timing, notices collected."""
+
+    def __init__(self):
+        self.notices = []
+
+    def stage(self, kind):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def notice(self, message, *args):
+        self.notices.append(message % args)
+
+    def unmerged(self, reason, message, *args):
+        self.notices.append(message % args)
+
+
+def reference_attention(q, k, v, bias=None, mask=None):
+    """softmax(q k^T / sqrt(d) + bias + mask) v on (B, H, L, D) tensors; bias (B, Lk)."""
+    logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if bias is not None:
+        logits = logits + bias[:, None, None, :]
+    if mask is not None:
+        logits = logits + mask
+    return logits.softmax(-1) @ v
+
+
+def merged_rows_by_hand(plan, t, begin, tokens):
+    """(B, H, L, D) with rows [begin, begin + tokens) merged by ``plan`` (M on the (B, N, H*D) view)."""
+    B, H, _, D = t.shape
+    rows = plan.merge(t[:, :, begin:begin + tokens].transpose(1, 2).reshape(B, tokens, H * D))
+    return torch.cat([t[:, :, :begin], rows.view(B, -1, H, D).transpose(1, 2), t[:, :, begin + tokens:]], 2)
+
+
+@pytest.mark.parametrize("layout", ["heads", "flat"])
+@pytest.mark.parametrize("proportional", [False, True])
+def test_keys_values_override_by_hand(pack, layout, proportional):
+    """MergedKeysValues on a [txt, image, extra] sequence, in Flux's (B, H, L, D) layout with skip_reshape and
+    Wan's (B, L, H*D): every query stays; the keys are the rotated keys' destination rows, the values merged
+    by the plan, text and extra tokens whole; with proportional each merged key's logits gain log(mass); a
+    key mask is cut to the merged keys. ComfyUI's attention function runs the call."""
+    from comfy.ldm.modules.attention import attention_pytorch
+    from toma_core.plan import plan_tiles
+
+    dit = pack.nodes.adapters.dit
+    B, H, D, txt, (h, w), extra = 2, 3, 16, 5, (6, 8), 3
+    tokens, g = h * w, torch.Generator().manual_seed(0)
+    L = txt + tokens + extra
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    plan = plan_tiles(torch.randn(B, tokens, 32, generator=g), (h, w), 4, 0.5, generator=g)
+    mask = torch.randn(B, 1, L, L, generator=g)
+    override = dit.MergedKeysValues(Clock(), [(txt, tokens, plan)], L, proportional)
+    func = getattr(attention_pytorch, "__wrapped__", attention_pytorch)
+    if layout == "heads":
+        out = override(func, q, k, v, H, skip_reshape=True, mask=mask)
+    else:
+        flat = [t.transpose(1, 2).reshape(B, L, H * D) for t in (q, k, v)]
+        out = override(func, *flat, H, mask)  # the mask by position, as Qwen-Image and Lumina 2 pass it
+    assert override.served and out.shape == (B, L, H * D)
+
+    index = torch.cat([torch.arange(txt).expand(B, -1), plan.destination_tokens() + txt,
+                       torch.arange(txt + tokens, L).expand(B, -1)], 1)
+    keys = torch.stack([k[b][:, index[b]] for b in range(B)])
+    values = merged_rows_by_hand(plan, v, txt, tokens)
+    masks = torch.stack([mask[b][..., index[b]] for b in range(B)])
+    bias = None
+    if proportional:
+        bias = torch.cat([torch.zeros(B, txt), plan.log_mass, torch.zeros(B, extra)], 1)
+    expected = reference_attention(q, keys, values, bias, masks).transpose(1, 2).reshape(B, L, H * D)
+    assert torch.allclose(out, expected, atol=1e-5)
+    if proportional:
+        plain = reference_attention(q, keys, values, None, masks).transpose(1, 2).reshape(B, L, H * D)
+        assert not torch.allclose(out, plain, atol=1e-3)  # the masses change the attention
+
+
+def test_keys_values_override_passes_other_calls(pack):
+    """Only the first call over the block's own sequence is its self-attention: a cross-attention call (other
+    keys), and any call after the self-attention, pass to the attention function as they came."""
+    dit = pack.nodes.adapters.dit
+    calls = []
+
+    def func(q, k, v, heads, **kwargs):
+        calls.append((q.shape[1], k.shape[1]))
+        return q
+
+    from toma_core.plan import plan_tiles
+    g = torch.Generator().manual_seed(1)
+    plan = plan_tiles(torch.randn(1, 16, 8, generator=g), (4, 4), 4, 0.5, generator=g)
+    override = dit.MergedKeysValues(Clock(), [(0, 16, plan)], 16)
+    x, text = torch.randn(1, 16, 8), torch.randn(1, 16 + 1, 8)
+    override(func, x, text, text, 2)  # cross-attention first: passes
+    override(func, x, x, x, 2)
+    override(func, x, x, x, 2)  # a later call over the same tokens: passes
+    assert calls == [(16, 17), (16, 8), (16, 16)]
+
+
+def test_proportional_attention_scope_by_hand(pack):
+    """Scope attention with proportional attention: the merged joint attention [txt, merged image] weighs
+    each merged key by its mass (extra-channel form), then unmerges the image rows."""
+    from comfy.ldm.modules.attention import attention_pytorch
+    from toma_core.plan import plan_tiles
+
+    dit = pack.nodes.adapters.dit
+    B, H, D, txt, (h, w) = 2, 2, 8, 4, (4, 6)
+    tokens, g = h * w, torch.Generator().manual_seed(2)
+    L = txt + tokens
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    plan = plan_tiles(torch.randn(B, tokens, 16, generator=g), (h, w), 4, 0.5, generator=g)
+    func = getattr(attention_pytorch, "__wrapped__", attention_pytorch)
+    override = dit.MergedAttention(Clock(), plan, txt, tokens, L, proportional=True)
+    out = override(func, q, k, v, H, skip_reshape=True)
+    mq, mk, mv = (merged_rows_by_hand(plan, t, txt, tokens) for t in (q, k, v))
+    bias = torch.cat([torch.zeros(B, txt), plan.log_mass], 1)
+    merged = reference_attention(mq, mk, mv, bias).transpose(1, 2).reshape(B, mq.shape[2], H * D)
+    expected = torch.cat([merged[:, :txt], plan.unmerge(merged[:, txt:])], 1)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_keys_values_on_flux_keeps_every_query_and_stacks_an_override(pack, flux):
+    """Scope keys/values on Flux: every block's attention keeps its 77 + 280 queries; merged blocks attend
+    to the merged keys; another patch's override still sees every call and stays the model's."""
+    lengths = []
+
+    def counting(func, q, k, v, heads, *args, **kwargs):
+        lengths.append((q.shape[2], k.shape[2]))
+        return func(q, k, v, heads, *args, **kwargs)
+
+    counted = flux.clone()
+    counted.model_options.setdefault("transformer_options", {})[OVERRIDE] = counting
+    patched, runtime = toma_patched(pack, counted, ratio=0.5, window=4, scope="keys/values")
+    sample(patched, steps=1)
+    merged = 77 + runtime.summary()["levels"]["two-stream 14x20"]["merged_tokens"]
+    assert lengths == [(77 + 280, 77 + 280)] + [(77 + 280, merged)] * 4
+    assert patched.model_options["transformer_options"][OVERRIDE] is counting

@@ -277,3 +277,121 @@ def test_two_stacked_nodes_the_nearer_merges_and_each_says_what_it_merged(pack, 
     (inner_lines,) = [data["lines"] for _, data, _ in sent if data["node"] == "inner"]
     assert [line.split(":")[0] for line in inner_lines[:-1]] == expected
     assert not any("left to" in line for line in inner_lines)
+
+
+# Scope keys/values: every family but SD3 (whose attention takes no override) merges only the keys and
+# values of its blocks' self-attention; SD3 merges whole blocks instead, logged.
+KEYS_VALUES = {"scope": "keys/values"}
+NO_ATTENTION_OVERRIDE = {"sd3"}
+
+
+def attention_lengths(model):
+    """(``model`` with an attention override of its own that records (query, key) lengths of every attention
+    call, the list they go to): the pack's override chains to it, so it sees what the attention runs on."""
+    seen = []
+
+    def record(func, q, k, v, heads, *args, **kwargs):
+        axis = 2 if kwargs.get("skip_reshape") or (len(args) > 2 and args[2]) else 1
+        seen.append((q.shape[axis], k.shape[axis]))
+        return func(q, k, v, heads, *args, **kwargs)
+
+    counted = model.clone()
+    counted.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = record
+    return counted, seen
+
+
+def fell_back(caplog) -> bool:
+    return any("cannot merge with scope keys/values" in r.getMessage() for r in caplog.records)
+
+
+@every_family
+def test_keys_values_ratio_zero_is_identical_and_every_token_reproduces_the_unpatched_model(pack, row, model, caplog):
+    """Ratio 0 is the unpatched model bit for bit; with every token a destination the keys are a permutation
+    of the model's own (each with its RoPE) and the values too, so the output is the unpatched model's
+    (batch rows and CFG batches too); each family that has an attention override keeps scope keys/values."""
+    dit_checks.check_ratio_zero_identical(pack, model, lambda m: sample(row, m, batch=2), advanced=KEYS_VALUES)
+    with caplog.at_level("WARNING", logger=dit_checks.LOGGER):
+        patched, runtime = dit_checks.toma_patched(pack, model, **EXACT, **KEYS_VALUES)
+    assert fell_back(caplog) == (row_name(row) in NO_ATTENTION_OVERRIDE)
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(row, m, batch=2, cfg=2.0))
+    assert list(runtime.summary()["levels"]) == levels(pack, row, model)
+
+
+@pytest.mark.parametrize("row, case", HALF_RATIO, indirect=["row"])
+def test_keys_values_merges_only_keys_and_values(pack, row, model, case, caplog):
+    """Ratio 0.5 with scope keys/values: every attention call keeps the queries it has unpatched, the
+    self-attention of each merged block sees the merged keys (half the grid's fewer), the stats name exactly
+    the merged grids, and the output changes, a little, and not as whole blocks change it. SD3 merges whole
+    blocks, logged."""
+    size, batch, text_length, frames = case
+    run = lambda m: sample(row, m, size, batch, text_length, frames)  # noqa: E731
+    tokens = math.prod(grid(row, size, frames))
+    counted, seen = attention_lengths(model)
+    with caplog.at_level("WARNING", logger=dit_checks.LOGGER):
+        patched = dit_checks.toma_patched(pack, counted, **KEYS_VALUES)
+    out, _ = dit_checks.check_half_ratio_merges(patched, model, run, levels(pack, row, model, size, frames), tokens,
+                                                bound=row.bound)
+    block = run(dit_checks.toma_patched(pack, model, scope="block")[0])
+    if row_name(row) in NO_ATTENTION_OVERRIDE:
+        assert fell_back(caplog) and torch.equal(out, block)
+        return
+    assert not fell_back(caplog) and not torch.equal(out, block)
+    seen.clear()
+    run(counted)
+    unpatched = list(seen)
+    seen.clear()
+    run(patched[0])
+    assert [q for q, _ in seen] == [q for q, _ in unpatched]
+    fewer = [full - merged for (_, full), (_, merged) in zip(unpatched, seen) if merged != full]
+    assert fewer and all(abs(f - tokens / 2) <= tokens / 16 for f in fewer)
+
+
+@every_family
+def test_per_block_plans_plan_each_block_and_shared_destinations_share_the_first_blocks(pack, row, model):
+    """plan_per_block: each merged block plans for itself (one plan per block, keyed by the block), so the
+    output differs from one plan per group; with shared_destinations every block of a group weighs its own
+    tokens to the destinations its group's first block chose."""
+    shared = sample(row, dit_checks.toma_patched(pack, model)[0])
+    patched, runtime = dit_checks.toma_patched(pack, model, plan_per_block=True)
+    own = sample(row, patched)
+    plans = runtime.report().plans
+    dm, family = model.model.diffusion_model, family_of(pack, row)
+    blocks = {(g.group, (g.hook, i)) for g in family.groups if hasattr(dm, g.blocks)
+              for i in g.merged(len(getattr(dm, g.blocks)))}
+    assert {(key.level.group, key.block) for key in plans} == blocks
+    several = len(blocks) > len({group for group, _ in blocks})  # a group of one merged block plans as before
+    assert torch.equal(own, shared) != several
+    patched, runtime = dit_checks.toma_patched(pack, model, plan_per_block=True, shared_destinations=True)
+    together = sample(row, patched)
+    report = runtime.report()
+    assert {(key.level.group, key.block) for key in report.plans} == blocks
+    for key, plan in report.plans.items():
+        first = report.shared_destinations[(key.level, key.rows)]
+        assert torch.equal(plan.destinations, first)
+    assert not several or (not torch.equal(together, own) and not torch.equal(together, shared))
+
+
+@every_family
+def test_proportional_attention_weighs_merged_keys_or_says_it_does_not(pack, row, model, sent):
+    """Scope keys/values with proportional attention: each merged key weighs as the tokens it stands for,
+    which changes the output. With scope block (and SD3, which falls back to it) it is not honoured: the
+    output is the block scope's, and the log and the stats say so."""
+    node = pack.nodes.toma_nodes.ToMAPatchModelAdvanced()
+    without = sample(row, dit_checks.toma_patched(pack, model, **KEYS_VALUES)[0])
+    (weighted,) = node.patch(model, 0.5, 4, 5, proportional_attention=True, unique_id="kv", **KEYS_VALUES)
+    (block,) = node.patch(model, 0.5, 4, 5, scope="block", proportional_attention=True, unique_id="block")
+    out = sample(row, weighted)
+    block_out = sample(row, block)
+    lines = {data["node"]: data["lines"] for _, data, _ in sent}
+    assert torch.equal(block_out, sample(row, dit_checks.toma_patched(pack, model, scope="block")[0]))
+    assert any("proportional attention is not honoured" in line for line in lines["block"])
+    if row_name(row) in NO_ATTENTION_OVERRIDE:
+        assert torch.equal(out, block_out)
+        assert any("proportional attention is not honoured" in line for line in lines["kv"])
+        return
+    assert not torch.equal(out, without) and relative_l2(out, without) < row.bound
+    assert not any("proportional" in line for line in lines["kv"])
+
+
+def row_name(row) -> str:
+    return next(name for name, r in ROWS.items() if r is row)

@@ -154,6 +154,9 @@ SPECS = {s.name: s for s in (
          lambda: models.conditioning("sdxl", 1, 77, SEED, 1024, 1024), unet=True),
     Spec("flux", "FLUX.1-dev 1024x1024 (4096 image + 512 text tokens), CFG 1", "Flux", models.FLUX_FULL,
          (1, 16, 128, 128), lambda: models.dit_conditioning("flux", models.FLUX_FULL, 1, 512, SEED), cfg=1.0),
+    # FLUX.1-dev at 2048x2048: where keys/values merging pays on an image DiT (attention is most of the FLOPs)
+    Spec("flux_2048", "FLUX.1-dev 2048x2048 (16,384 image + 512 text tokens), CFG 1", "Flux", models.FLUX_FULL,
+         (1, 16, 256, 256), lambda: models.dit_conditioning("flux", models.FLUX_FULL, 1, 512, SEED), cfg=1.0),
     Spec("sd35", "SD3.5 Large 1024x1024 (4096 image + 154 text tokens), CFG batch 2", "SD3", SD35_LARGE,
          (1, 16, 128, 128), _sd3_conditioning),
     Spec("qwen_image", "Qwen-Image 1328x1328 (6889 image + 128 text tokens), CFG batch 2", "QwenImage",
@@ -192,6 +195,7 @@ SPECS = {s.name: s for s in (
          models.LTX2_FULL, ((1, 128, 16, 22, 40), (1, 8, 127, 16)), _ltx2_text, steps=3, cfg=1.0, tree=LTX2_TREE),
 )}
 UNET_MODELS = ("sd15", "sdxl")
+NO_KEYS_VALUES = UNET_MODELS + ("sd35",)  # SD3's attention takes no override: keys/values would be whole blocks
 UNET_LEVEL_TOKENS = 64 * 64  # of the level the baselines merge: 1/1 of SD1.5 at 512, 1/2 of SDXL at 1024
 
 
@@ -262,6 +266,13 @@ def variants_for(name: str, pack) -> list[Variant]:
         out.append(Variant(f"ToMA r={r:g}", patch=lambda m, r=r: basic.patch(m, r, w, reuse)[0]))
     if name in ("flux", "hunyuan_video"):
         out.append(Variant("ToMA scope attention r=0.5", patch=lambda m: advanced.patch(m, 0.5, w, reuse, scope="attention")[0]))
+    if name not in NO_KEYS_VALUES:
+        # keys/values with per-block plans to shared destinations and proportional attention (issue 28's setting)
+        for r in (0.75, 0.9):
+            out.append(Variant(f"ToMA keys/values r={r:g} (per-block plans, shared destinations, proportional)",
+                               patch=lambda m, r=r: advanced.patch(m, r, w, reuse, scope="keys/values",
+                                                                   plan_per_block=True, shared_destinations=True,
+                                                                   proportional_attention=True)[0]))
     out.append(Variant("ToMA r=0.5 merge_every 3", patch=lambda m: advanced.patch(m, 0.5, w, reuse, merge_every=3)[0]))
     return out
 

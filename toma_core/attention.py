@@ -7,7 +7,8 @@ each head: the queries hold 1 in each, the keys an equal share of log(m), so sof
 equals softmax(qk^T / sqrt(d) + log m), the queries being pre-scaled by sqrt(d' / d). The values get zeros
 in the extra channels, so the output's first d channels of each head are the attention's output. Heads
 are padded to a multiple of 8 channels (what fused kernels want), so any attention function that takes
-(B, L, heads * d) tensors and scales by 1/sqrt(d) (ComfyUI's ``optimized_attention``) runs it unchanged.
+(B, L, heads * d) tensors, or (B, heads, L, d) ones (``skip_reshape``), and scales by 1/sqrt(d) (ComfyUI's
+``optimized_attention``) runs it unchanged.
 """
 import math
 
@@ -22,20 +23,33 @@ def padded_head(d: int) -> int:
     return -(-(d + 1) // PAD_TO) * PAD_TO
 
 
-def with_key_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, heads: int):
-    """(q', k', v'), each (B, L, heads * padded_head(d)), such that attention over them with the usual
-    1/sqrt(head channels) scale is attention over (q, k, v) with ``bias`` (B, Lk) added to every query's
-    logit of each key. q: (B, Lq, heads * d); k, v: (B, Lk, heads * d). The queries hold 1 in every
+def heads_with_key_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, token_axis: int = 2):
+    """(q', k', v') with each head's channels (the last axis) padded to padded_head(d), such that attention
+    over them with the usual 1/sqrt(head channels) scale is attention over (q, k, v) with ``bias`` (B, Lk)
+    added to every query's logit of each key. q, k, v: per-head tensors, tokens on ``token_axis``:
+    (B, H, L, d) (Flux's layout with ``skip_reshape``: 2) or (B, L, H, d) (1). The queries hold 1 in every
     extra channel and the keys an equal share of the bias, so each tensor takes one pad or one cat."""
+    d = q.shape[-1]
+    e = padded_head(d)
+    qh = F.pad(q * math.sqrt(e / d), (0, e - d), value=1.0)
+    view = [1] * k.dim()
+    view[0], view[token_axis] = bias.shape
+    share = (bias * (math.sqrt(e) / (e - d))).to(k.dtype).view(view).expand(*k.shape[:-1], e - d)
+    kh = torch.cat([k, share], -1)
+    vh = F.pad(v, (0, e - d))
+    return qh, kh, vh
+
+
+def with_key_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, heads: int):
+    """``heads_with_key_bias`` for (B, L, heads * d) tensors: q (B, Lq, heads * d); k, v (B, Lk, heads * d)
+    -> each (B, L, heads * padded_head(d))."""
     B, Lq, C = q.shape
     Lk = k.shape[1]
     d = C // heads
+    qh, kh, vh = heads_with_key_bias(q.view(B, Lq, heads, d), k.view(B, Lk, heads, d), v.view(B, Lk, heads, d),
+                                     bias, token_axis=1)
     e = padded_head(d)
-    qh = F.pad(q.view(B, Lq, heads, d) * math.sqrt(e / d), (0, e - d), value=1.0)
-    share = (bias * (math.sqrt(e) / (e - d))).to(k.dtype).view(B, Lk, 1, 1).expand(B, Lk, heads, e - d)
-    kh = torch.cat([k.view(B, Lk, heads, d), share], -1)
-    vh = F.pad(v.view(B, Lk, heads, d), (0, e - d))
-    return qh.view(B, Lq, heads * e), kh.view(B, Lk, heads * e), vh.view(B, Lk, heads * e)
+    return qh.reshape(B, Lq, heads * e), kh.reshape(B, Lk, heads * e), vh.reshape(B, Lk, heads * e)
 
 
 def without_padding(out: torch.Tensor, heads: int, d: int) -> torch.Tensor:

@@ -32,6 +32,12 @@ def family_names(video: bool) -> list[str]:
     return [n for family in DIT_FAMILIES if family.video == video for n in family.names]
 
 
+def keys_values_families() -> list[str]:
+    """The DiT families whose blocks can merge only the keys and values of their self-attention (scope
+    "keys/values")."""
+    return [family.name for family in DIT_FAMILIES if placement.KEYS_VALUES in family.placements]
+
+
 def attention_placement_families() -> list[str]:
     """The DiT families whose double blocks can merge only their joint attention (scope "attention")."""
     return [family.name for family in DIT_FAMILIES if placement.ATTENTION in family.placements]

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...toma_core.attention import heads_with_key_bias, padded_head
 from .. import placement
 from ..runtime import Level, MergeRuntime
 
@@ -269,13 +270,51 @@ def attention_only(scope: str, family: str) -> bool:
     """Whether double blocks run only their attention on merged tokens for ``scope`` (a resolved
     placement: placement.resolve); "attention" on a host without attention overrides falls back to whole
     blocks, with a log message naming ``family``."""
-    if scope != placement.ATTENTION:
+    return scope == placement.ATTENTION and overrides_attention(scope, family)
+
+
+def keys_values_only(scope: str, family: str) -> bool:
+    """Whether blocks run whole with only the keys and values of their self-attention merged, for ``scope``
+    (a resolved placement); "keys/values" on a host without attention overrides falls back to whole
+    blocks, with a log message naming ``family``."""
+    return scope == placement.KEYS_VALUES and overrides_attention(scope, family)
+
+
+def overrides_attention(scope: str, family: str) -> bool:
+    """Whether this host runs ``scope``, a placement inside the attention call; if not, the log says that
+    ``family`` merges whole blocks instead."""
+    if attention_override_supported():
+        return True
+    log.warning("ToMA: this ComfyUI has no attention override (comfy.ldm.modules.attention.wrap_attn); "
+                "%s merges whole blocks (scope block) instead of scope %s", family, scope)
+    return False
+
+
+# The parameters of ComfyUI's attention functions after (q, k, v, heads), in order: positional ones are
+# read by these names (Qwen-Image and Lumina 2 pass the mask by position)
+ATTENTION_PARAMETERS = ("mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+
+
+def attention_keywords(args: tuple, kwargs: dict) -> dict | None:
+    """The keywords of an attention call given ``args`` after (q, k, v, heads) and ``kwargs``; None where
+    the positional ones are more than ATTENTION_PARAMETERS names."""
+    if len(args) > len(ATTENTION_PARAMETERS):
+        return None
+    return {**dict(zip(ATTENTION_PARAMETERS, args)), **kwargs}
+
+
+def key_mask(mask, index: torch.Tensor, length: int, batch: int):
+    """An attention ``mask`` whose last axis is the ``length`` keys cut to the key rows ``index`` (B, L');
+    the mask itself where it is None or broadcast over the keys; False where its keys are others (the
+    attention call is not the one the plan was made for). A 2-D mask is (queries, keys) unless its first
+    axis is the batch (Lumina 2's key mask (B, L))."""
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    if mask.shape[-1] != length:
         return False
-    if not attention_override_supported():
-        log.warning("ToMA: this ComfyUI has no attention override (comfy.ldm.modules.attention.wrap_attn); "
-                    "%s double blocks merge whole blocks (scope block)", family)
-        return False
-    return True
+    if mask.dim() == 2 and mask.shape[0] not in (1, batch):
+        mask = mask[None]
+    return take_rows(mask, index, -1)
 
 
 class MergedAttention:
@@ -285,12 +324,16 @@ class MergedAttention:
     q, k, v: (B, H, L, D) with RoPE applied, L = ``length``; rows [start, start + tokens) are the image
     grid, merged by ``plan`` on (B, N, H*D) views; ``mask`` is cut to the merged sequence. The output
     (B, L', H*D) comes back with L rows: each merged token's row is copied back onto its sources (U).
-    ``previous``: the override another patch had set, called in place of ``func`` (stacked). Anything
-    unexpected (another layout, an exception) runs that call unmerged."""
+    ``previous``: the override another patch had set, called in place of ``func`` (stacked).
+    ``proportional``: each merged key weighs as the tokens it stands for (the bias in an extra head
+    channel, toma_core.attention). Anything unexpected (another layout, an exception) runs that call
+    unmerged."""
 
-    def __init__(self, runtime: MergeRuntime, plan, start: int, tokens: int, length: int, previous=None):
+    def __init__(self, runtime: MergeRuntime, plan, start: int, tokens: int, length: int, previous=None,
+                 proportional: bool = False):
         self.runtime, self.plan, self.previous = runtime, plan, previous
         self.start, self.tokens, self.length = start, tokens, length
+        self.proportional = proportional
 
     def attend(self, func, *args, **kwargs):
         if self.previous is None:
@@ -322,6 +365,14 @@ class MergedAttention:
         begin, end = self.start, self.start + self.plan.num_merged
         return torch.cat([out[:, :begin], self.plan.unmerge(out[:, begin:end]), out[:, end:]], dim=1)
 
+    def key_bias(self, q) -> torch.Tensor:
+        """(B, L') fp32: log of the tokens each key of the merged sequence stands for (0 outside the grid)."""
+        B, merged = q.shape[0], self.plan.num_merged
+        log_mass = self.plan.log_mass.to(q.device)
+        before = log_mass.new_zeros(B, self.start)
+        after = log_mass.new_zeros(B, q.shape[2] - self.start - merged)
+        return torch.cat([before, log_mass, after], dim=1)
+
     def __call__(self, func, q, k, v, heads, *args, **kwargs):
         if not self.fits(q, k, v, args, kwargs):
             self.runtime.unmerged("attention call layout", "a double block's attention call does not have the "
@@ -330,12 +381,118 @@ class MergedAttention:
         try:
             with self.runtime.stage("merge"):
                 (mq, mk, mv), mask = self.merge(q, k, v, kwargs.get("mask"))
+                if self.proportional:
+                    mq, mk, mv = heads_with_key_bias(mq, mk, mv, self.key_bias(mq))
             out = self.attend(func, mq, mk, mv, heads, **{**kwargs, "mask": mask})
             with self.runtime.stage("unmerge"):
+                if self.proportional:
+                    d = q.shape[-1]
+                    out = out.view(*out.shape[:2], heads, padded_head(d))[..., :d].reshape(*out.shape[:2], heads * d)
                 return self.unmerge(out)
         except Exception as e:  # never crash mid-sampling: this attention call runs unmerged
             self.runtime.unmerged("merged attention failed", "merged attention failed (%s); those calls run "
                                   "unmerged", f"{type(e).__name__}: {e}")
+            return self.attend(func, q, k, v, heads, *args, **kwargs)
+
+
+class MergedKeysValues:
+    """``transformer_options["optimized_attention_override"]`` for one block call of scope "keys/values": its
+    self-attention takes keys and values from merged tokens and queries from every token, so the output
+    has every token and nothing is unmerged. ComfyUI's attention functions call it as
+    ``override(func, q, k, v, heads, **kwargs)`` in place of ``func``.
+
+    The first attention call whose q, k and v all hold the ``length`` tokens of the block's sequence is its
+    self-attention (Wan's and LTX-Video's cross-attention comes after it, with the text's keys); later calls
+    pass. Both layouts: (B, H, L, D) with ``skip_reshape`` (Flux, HunyuanVideo, Lumina 2, Qwen-Image from
+    v0.3.75) and (B, L, H*D) (Wan, LTX-Video, HiDream, Qwen-Image before). ``spans``: [(begin, tokens,
+    plan)], the grids of the sequence that merge (the image or video grid; Qwen-Image-Edit's reference grids
+    by plans of their own); every other token (text, leading and extra tokens) stays a key of its own.
+    Keys: the rows of the merged tokens' destinations, RoPE already applied (each merged key keeps its
+    destination's position; a prototype measured this better than re-rotated merged keys on Wan and level
+    on Flux, issue 28); values: merged by the plan (M). A key mask is cut to the merged keys, never added: fused kernels
+    (FlashAttention, SageAttention) still run. ``proportional``: each merged key weighs as the tokens it
+    stands for, by the extra-channel form (toma_core.attention). ``previous``: another patch's override,
+    called in place of ``func`` (stacked). Anything unexpected runs that call unmerged, with a log line."""
+
+    def __init__(self, runtime: MergeRuntime, spans, length: int, proportional: bool = False, previous=None):
+        self.runtime, self.spans, self.length = runtime, spans, length
+        self.proportional, self.previous = proportional, previous
+        self.served = False  # whether the block's self-attention came through (the block checks it after)
+
+    def attend(self, func, *args, **kwargs):
+        if self.previous is None:
+            return func(*args, **kwargs)
+        return self.previous(func, *args, **kwargs)
+
+    def key_rows(self, device) -> torch.Tensor:
+        """(B, L') long: the row of the full sequence each merged key takes (a merged token: its destination)."""
+        pieces, cursor = [], 0
+        for begin, tokens, plan in self.spans:
+            destinations = plan.destination_tokens().to(device)
+            B = destinations.shape[0]
+            pieces += [torch.arange(cursor, begin, device=device).expand(B, -1), destinations + begin]
+            cursor = begin + tokens
+        pieces.append(torch.arange(cursor, self.length, device=device).expand(B, -1))
+        return torch.cat(pieces, dim=1)
+
+    def key_bias(self, batch: int, device) -> torch.Tensor:
+        """(B, L') fp32: log of the tokens each merged key stands for (0 for a key of its own)."""
+        pieces, cursor = [], 0
+        for begin, tokens, plan in self.spans:
+            pieces += [torch.zeros(batch, begin - cursor, device=device), plan.log_mass.to(device)]
+            cursor = begin + tokens
+        pieces.append(torch.zeros(batch, self.length - cursor, device=device))
+        return torch.cat(pieces, dim=1)
+
+    def merged_values(self, v, axis: int):
+        """v with each span's rows merged by its plan; ``axis``: the token axis (2: (B, H, L, D), 1: (B, L, C))."""
+        pieces, cursor = [], 0
+        for begin, tokens, plan in self.spans:
+            rows = v.narrow(axis, begin, tokens)
+            if axis == 2:
+                B, H, _, D = v.shape
+                merged = plan.merge(rows.transpose(1, 2).reshape(B, tokens, H * D)).view(B, -1, H, D).transpose(1, 2)
+            else:
+                merged = plan.merge(rows)
+            pieces += [v.narrow(axis, cursor, begin - cursor), merged]
+            cursor = begin + tokens
+        pieces.append(v.narrow(axis, cursor, self.length - cursor))
+        return torch.cat(pieces, dim=axis)
+
+    def __call__(self, func, q, k, v, heads, *args, **kwargs):
+        keywords = None if self.served else attention_keywords(args, kwargs)
+        axis = 2 if keywords is not None and keywords.get("skip_reshape") else 1
+        if keywords is None or any(t.dim() != (4 if axis == 2 else 3) or t.shape[axis] != self.length for t in (q, k, v)):
+            return self.attend(func, q, k, v, heads, *args, **kwargs)
+        self.served = True
+        try:
+            with self.runtime.stage("merge"):
+                index = self.key_rows(k.device)
+                mask = key_mask(keywords.get("mask"), index, self.length, q.shape[0])
+                if mask is False:
+                    self.runtime.unmerged("attention call layout", "a self-attention mask does not cover the "
+                                          "block's %d tokens; those attention calls run unmerged", self.length)
+                    return self.attend(func, q, k, v, heads, *args, **kwargs)
+                mk, mv = take_rows(k, index, axis), self.merged_values(v, axis)
+                mq = q
+                if self.proportional:
+                    d = q.shape[-1] if axis == 2 else q.shape[-1] // heads
+                    if axis == 1:
+                        mq, mk, mv = (t.view(*t.shape[:2], heads, d) for t in (mq, mk, mv))
+                    mq, mk, mv = heads_with_key_bias(mq, mk, mv, self.key_bias(q.shape[0], q.device), token_axis=axis)
+                    if axis == 1:
+                        mq, mk, mv = (t.reshape(*t.shape[:2], -1) for t in (mq, mk, mv))
+            if "mask" in keywords:
+                keywords["mask"] = mask
+            out = self.attend(func, mq, mk, mv, heads, **keywords)
+            if not self.proportional:
+                return out
+            if keywords.get("skip_output_reshape"):  # (B, H, L, e)
+                return out[..., :d]
+            return out.view(*out.shape[:2], heads, padded_head(d))[..., :d].reshape(*out.shape[:2], heads * d)
+        except Exception as e:  # never crash mid-sampling: this attention call runs unmerged
+            self.runtime.unmerged("merged attention failed", "keys/values merging failed (%s); those attention "
+                                  "calls run unmerged", f"{type(e).__name__}: {e}")
             return self.attend(func, q, k, v, heads, *args, **kwargs)
 
 
@@ -362,7 +519,13 @@ class DiTPatch:
     differs: ``fits`` (whether a call's inputs cover its tokens as the family lays them out) and
     ``reduced_inputs`` (those inputs cut to the merged sequence), or the class attributes below.
     attention_only: double blocks run whole on full-length tokens with only their joint attention merged
-    (``MergedAttention``)."""
+    (``MergedAttention``). keys_values: every merged block runs whole with only the keys and values of its
+    self-attention merged (``MergedKeysValues``). proportional: where keys merge inside the attention call
+    (those two), each merged key weighs as the tokens it stands for.
+
+    Block identity: each block's patch is bound to its block (``family.BlockPatch``, or the object-patched
+    forward made for it), which reaches ``MergeRuntime.plan`` as ``block``: with per-block plans each block
+    plans for itself (and with shared destinations, to the destinations its group's first block chose)."""
 
     pe_axis = 2  # the token axis of the RoPE table ``pe`` (Flux, Chroma: (B, 1, L, ...))
     merge_references = False  # whether the reference grids of ImageLayout.references merge, each by its own plan
@@ -370,9 +533,12 @@ class DiTPatch:
     # submodules of each merged block whose forward is object-patched too (companion_forward makes it)
     companions: tuple[str, ...] = ()
 
-    def __init__(self, runtime: MergeRuntime, attention_only: bool = False):
+    def __init__(self, runtime: MergeRuntime, attention_only: bool = False, keys_values: bool = False,
+                 proportional: bool = False):
         self.runtime = runtime
         self.attention_only = attention_only
+        self.keys_values = keys_values
+        self.proportional = proportional
         self.taken_from: dict[str, list] = {}  # group -> runtimes of earlier token merge nodes whose blocks this took
 
     def took(self, group: str, previous: MergeRuntime) -> None:
@@ -381,12 +547,13 @@ class DiTPatch:
         if previous not in self.taken_from.setdefault(group, []):
             self.taken_from[group].append(previous)
 
-    def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict):
+    def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict, block=None):
+        """The plan of ``group``'s grid for this call of ``block`` (its identity: per-block plans), or None."""
         level = Level(group, tuple(grid))
         for previous in self.taken_from.get(group, ()):
             previous.leave(level, options, lambda: f"the {self.runtime.name} node nearer the sampler",
                            "took its blocks")
-        return self.runtime.plan(level, None, tokens, lambda: F.layer_norm(tokens, tokens.shape[-1:]), options)
+        return self.runtime.plan(level, block, tokens, lambda: F.layer_norm(tokens, tokens.shape[-1:]), options)
 
     def pe_axis_of(self, args: dict) -> int:
         """The token axis of this call's RoPE table (a family whose tables changed layout reads it here)."""
@@ -443,7 +610,15 @@ class DiTPatch:
                               self.runtime.name, group)
         return False
 
-    def double_block(self, args: dict, extras: dict) -> dict:
+    def whole_blocks_unless(self, passed: bool, double: bool = False) -> None:
+        """Say once that blocks called without transformer_options (a cache node's own forward_orig) merge whole
+        blocks where the node's scope merges inside their attention (``double``: a double block, which scope
+        attention merges there): no attention override would reach it."""
+        if not passed and ((self.attention_only and double) or self.keys_values):
+            self.runtime.notice("blocks are called without transformer_options (a cache node's own forward_orig), "
+                                "which would drop the attention override; they merge whole blocks (scope block)")
+
+    def double_block(self, args: dict, extras: dict, block=None) -> dict:
         """Image stream [lead, image, extra] (B, N + E, C) merged; text stream (B, L, C) or None passes whole."""
         run, img, txt = extras["original_block"], args["img"], args.get("txt")
         options = self.call_options(args, extras)
@@ -456,14 +631,11 @@ class DiTPatch:
             return run(args)
         args = self.with_options(args, options)
         if self.attention_only and passed:
-            return self.attention_merged_call(args, run, txt_len, layout)
-        if self.attention_only:
-            self.runtime.notice("double blocks are called without transformer_options (a cache node's own "
-                                "forward_orig), which would drop the merged attention; they merge whole blocks "
-                                "(scope block)")
-        return self.merged_call(TWO_STREAM, args, run, layout.lead, txt_len, layout)
+            return self.attention_merged_call(args, run, txt_len, layout, block)
+        self.whole_blocks_unless(passed, double=True)
+        return self.merged_call(TWO_STREAM, args, run, layout.lead, txt_len, layout, block, passed)
 
-    def single_block(self, args: dict, extras: dict) -> dict:
+    def single_block(self, args: dict, extras: dict, block=None) -> dict:
         """Joint sequence [txt, lead, image, extra] ([lead, image, extra, txt] with ``image_first``): the
         image part merged, the rest whole."""
         run, x = extras["original_block"], args["img"]
@@ -476,9 +648,11 @@ class DiTPatch:
                 or not self.positions_fit_or_count(args, JOINT, txt_len, layout)):
             return run(args)
         start = layout.lead + (0 if self.image_first else txt_len)
-        return self.merged_call(JOINT, self.with_options(args, options), run, start, txt_len, layout)
+        passed = isinstance(args.get("transformer_options"), dict)
+        self.whole_blocks_unless(passed)
+        return self.merged_call(JOINT, self.with_options(args, options), run, start, txt_len, layout, block, passed)
 
-    def block(self, args: dict, extras: dict) -> dict:
+    def block(self, args: dict, extras: dict, block=None) -> dict:
         """A block over one sequence of video tokens [lead, video, extra] (B, L, C) (LTX-Video, Wan): the
         grid merged; the text reaches it through cross-attention and passes whole, and a call the layout
         does not account for runs unmerged, counted."""
@@ -494,7 +668,9 @@ class DiTPatch:
         if (not self.tokens_fit(img.shape[1], layout.total, options)
                 or not self.positions_fit_or_count(args, VIDEO, 0, layout)):
             return run(args)
-        return self.merged_call(VIDEO, self.with_options(args, options), run, layout.lead, 0, layout)
+        passed = isinstance(args.get("transformer_options"), dict)
+        self.whole_blocks_unless(passed)
+        return self.merged_call(VIDEO, self.with_options(args, options), run, layout.lead, 0, layout, block, passed)
 
     def reduced_inputs(self, call: BlockCall) -> dict:
         """The block's per-token inputs besides the tokens (``pe``, ``attn_mask``), cut to the merged
@@ -502,37 +678,68 @@ class DiTPatch:
         return merged_positions(call.args, call.txt_len, call.layout, call.plan, self.pe_axis_of(call.args),
                                 call.reference_plans)
 
-    def reference_plans(self, group: str, seq: torch.Tensor, begin: int, layout: ImageLayout, options: dict):
+    def reference_plans(self, group: str, seq: torch.Tensor, begin: int, layout: ImageLayout, options: dict,
+                        block=None):
         """[((begin, end), plan or None)] for the reference grids of ``layout`` from ``begin`` in ``seq``."""
         out = []
         for k, (h, w) in enumerate(layout.references if self.merge_references else ()):
             end = begin + h * w
-            out.append(((begin, end), self.plan_for(f"{group} reference {k + 1}", seq[:, begin:end], (h, w), options)))
+            out.append(((begin, end), self.plan_for(f"{group} reference {k + 1}", seq[:, begin:end], (h, w), options,
+                                                    block)))
             begin = end
         return out
 
-    def attention_merged_call(self, args: dict, run, txt_len: int, layout: ImageLayout) -> dict:
+    def attention_merged_call(self, args: dict, run, txt_len: int, layout: ImageLayout, block=None) -> dict:
         """Run the double block on its full-length streams with its joint attention on merged image
         tokens: the plan of the grid [lead, lead + tokens) of ``args["img"]`` goes to a MergedAttention
         in the block's own copy of transformer_options, chained to any override already there."""
         img, options = args["img"], args["transformer_options"]
-        plan = self.plan_for(TWO_STREAM, img[:, layout.lead:layout.lead + layout.tokens], layout.grid, options)
+        plan = self.plan_for(TWO_STREAM, img[:, layout.lead:layout.lead + layout.tokens], layout.grid, options, block)
         if plan is None:
             return run(args)
         start = layout.lead + (0 if self.image_first else txt_len)
         override = MergedAttention(self.runtime, plan, start, layout.tokens, txt_len + layout.total,
-                                   options.get(ATTENTION_OVERRIDE_KEY))
+                                   options.get(ATTENTION_OVERRIDE_KEY), self.proportional)
         return run({**args, "transformer_options": {**options, ATTENTION_OVERRIDE_KEY: override}})
 
-    def merged_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout) -> dict:
-        """Run the block on ``args["img"]`` with its grid tokens [start, start + layout.tokens) merged (and
-        the reference grids after them, with ``merge_references``); return the full-length result with
-        the block's update of the merged tokens unmerged onto them."""
+    def keys_values_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout,
+                         block=None) -> dict:
+        """Run the block whole on ``args["img"]`` with the keys and values of its self-attention merged: the
+        grid tokens [start, start + layout.tokens) of ``args["img"]`` (and the reference grids after them,
+        with ``merge_references``) plan the merge, and a MergedKeysValues in the block's own copy of
+        transformer_options (chained to any override already there) applies it inside the attention call,
+        whose sequence is the block's text and image tokens ([txt, image] unless ``image_first``)."""
         seq, options, end = args["img"], args["transformer_options"], start + layout.tokens
-        plan = self.plan_for(group, seq[:, start:end], layout.grid, options)
+        plan = self.plan_for(group, seq[:, start:end], layout.grid, options, block)
         if plan is None:
             return run(args)
-        references = self.reference_plans(group, seq, end, layout, options)
+        references = self.reference_plans(group, seq, end, layout, options, block)
+        shift = txt_len if group == TWO_STREAM and not self.image_first else 0  # where the image stream sits
+        spans = [(start + shift, layout.tokens, plan)] + [(b + shift, e - b, p) for (b, e), p in references
+                                                          if p is not None]
+        override = MergedKeysValues(self.runtime, spans, txt_len + layout.total, self.proportional,
+                                    options.get(ATTENTION_OVERRIDE_KEY))
+        out = run({**args, "transformer_options": {**options, ATTENTION_OVERRIDE_KEY: override}})
+        if not override.served:
+            self.runtime.unmerged("no self-attention call", "%s blocks called no self-attention over their %d tokens "
+                                  "through ComfyUI's attention functions; their keys and values ran unmerged", group,
+                                  txt_len + layout.total)
+        return out
+
+    def merged_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout,
+                    block=None, inside_attention: bool = True) -> dict:
+        """Run the block on ``args["img"]`` with its grid tokens [start, start + layout.tokens) merged (and
+        the reference grids after them, with ``merge_references``); return the full-length result with
+        the block's update of the merged tokens unmerged onto them. ``keys_values``: the block runs whole,
+        only its self-attention's keys and values merged (``keys_values_call``), unless ``inside_attention`` is
+        false (the block's caller passes no transformer_options, so no override would reach its attention)."""
+        if self.keys_values and inside_attention:
+            return self.keys_values_call(group, args, run, start, txt_len, layout, block)
+        seq, options, end = args["img"], args["transformer_options"], start + layout.tokens
+        plan = self.plan_for(group, seq[:, start:end], layout.grid, options, block)
+        if plan is None:
+            return run(args)
+        references = self.reference_plans(group, seq, end, layout, options, block)
         spans = [((start, end), plan)] + [(r, p) for r, p in references if p is not None]
         call = BlockCall(args, txt_len, layout, plan, tuple(p for _, p in references))
 

@@ -14,11 +14,14 @@ from .family import OBJECT_PATCH, BlockGroup, DiTFamily
 # Flux's layout: double blocks (image and text streams apart), then single blocks (one joint sequence)
 FLUX_GROUPS = (BlockGroup("double_blocks", "double_block", TWO_STREAM, "double_block"),
                BlockGroup("single_blocks", "single_block", JOINT, "single_block"))
-# Both placements on Flux-layout double blocks: "attention" (the paper's: the double-block MLP at full
-# resolution, only the joint attention on merged tokens, through ComfyUI's attention override) and
-# "block". The MLP holds 2/3 of the image stream's projection FLOPs, so merging it is most of the speed-up;
-# docs/benchmarks.md weighs that against fidelity.
-BOTH = (placement.ATTENTION, placement.BLOCK)
+# Every DiT whose attention calls go through ComfyUI's attention functions (all but SD3's MMDiT) offers
+# "block" and "keys/values": every merged block runs whole, only the keys and values of its self-attention
+# come from merged tokens (dit.MergedKeysValues). Flux-layout double blocks offer "attention" too (the
+# paper's: the double-block MLP at full resolution, only the joint attention on merged tokens). Merging the
+# MLP holds most of the speed-up at 1024 px; keys/values saves attention FLOPs alone, which pays on long
+# sequences (video, 2048 px); docs/benchmarks.md weighs them against fidelity.
+WITH_KEYS_VALUES = (placement.BLOCK, placement.KEYS_VALUES)
+BOTH = (placement.ATTENTION, placement.BLOCK, placement.KEYS_VALUES)
 
 # Flux (dev, schnell, Kontext, Fill) and Flux.2 (the same class). The DIFFUSION_MODEL executor runs around
 # ``_forward``, which sees the latent and the Kontext/Flux.2 reference latents (their tokens follow the
@@ -29,7 +32,8 @@ FLUX = DiTFamily("Flux", ("Flux", "Flux.2"), False, "comfy.ldm.flux.model:Flux",
 
 # SD3/SD3.5 (MMDiT): the joint blocks merge as Flux's double blocks do; the position embedding is added
 # once at the input, so nothing positional reaches the blocks. No DIFFUSION_MODEL executor: the latent is
-# read at BaseModel._apply_model (same latent size).
+# read at BaseModel._apply_model (same latent size). Its attention takes no transformer_options, so no
+# attention override reaches it: whole blocks only (keys/values falls back to them, logged).
 SD3 = DiTFamily("SD3/SD3.5", ("SD3",), False, "comfy.ldm.modules.diffusionmodules.mmdit:MMDiT",
                 (BlockGroup("joint_blocks", "double_block", TWO_STREAM, "double_block"),),
                 wrappers=("APPLY_MODEL",))
@@ -42,24 +46,25 @@ HUNYUAN_VIDEO = DiTFamily("HunyuanVideo", ("HunyuanVideo", "HunyuanVideo 1.5"), 
 LTXV = DiTFamily("LTX-Video", ("LTX-Video",), True, "comfy.ldm.lightricks.model:LTXVModel",
                  (BlockGroup("transformer_blocks", "double_block", VIDEO, "block"),),
                  ltxv.LTXVPatch, ltxv.LTXVLayoutStash, patch_size="patchifier.patch_size",
-                 never_merged="text, keyframe guides, the image-to-video first frame")
+                 placements=WITH_KEYS_VALUES, never_merged="text, keyframe guides, the image-to-video first frame")
 
 # LTX-2 (audio-video; an LTXVModel subclass, so its row comes before LTX-Video's): the video merges as
 # LTX-Video's; each merged block's video-to-audio attention is object-patched to see the full video.
 LTX2 = DiTFamily("LTX-2", ("LTX-2",), True, "comfy.ldm.lightricks.av_model:LTXAVModel",
                  (BlockGroup("transformer_blocks", "double_block", VIDEO, "av_block"),),
                  ltxv.LTX2Patch, ltxv.LTX2LayoutStash, patch_size="patchifier.patch_size",
-                 never_merged="audio, text, keyframe guides, the image-to-video first frame")
+                 placements=WITH_KEYS_VALUES, never_merged="audio, text, keyframe guides, the image-to-video first frame")
 
 WAN = DiTFamily("Wan 2.1/2.2", ("Wan",), True, "comfy.ldm.wan.model:WanModel",
                 (BlockGroup("blocks", "double_block", VIDEO, "block"),), wan.WanPatch,
-                wan.VideoLayoutStash,
+                wan.VideoLayoutStash, placements=WITH_KEYS_VALUES,
                 never_merged="text, CLIP image tokens, reference and subject frames, the TI2V first frame",
                 unserved=wan.unserved)
 
 QWEN_IMAGE = DiTFamily("Qwen-Image", ("Qwen-Image",), False, "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",
                        (BlockGroup("transformer_blocks", "double_block", TWO_STREAM, "double_block"),),
-                       qwen_image.QwenImagePatch, never_merged="text (Edit references merge by plans of their own)")
+                       qwen_image.QwenImagePatch, placements=WITH_KEYS_VALUES,
+                       never_merged="text (Edit references merge by plans of their own)")
 
 # Chroma and Chroma Radiance: Flux's blocks, merged as Flux's are. Each block's modulation comes from the
 # distilled-guidance approximator as per-sample (B, 1, C) slices, not per token, so it passes unchanged; an
@@ -70,7 +75,7 @@ CHROMA = DiTFamily("Chroma", ("Chroma",), False, "comfy.ldm.chroma.model:Chroma"
 # noise refiners (text only, image only) never merge.
 LUMINA = DiTFamily("Lumina 2 / Z-Image", ("Z-Image", "Lumina 2"), False, "comfy.ldm.lumina.model:NextDiT",
                    (BlockGroup("layers", "layer", JOINT, "layer_forward"),), lumina.NextDiTPatch,
-                   lumina.NextDiTLayoutStash, intercept=OBJECT_PATCH,
+                   lumina.NextDiTLayoutStash, intercept=OBJECT_PATCH, placements=WITH_KEYS_VALUES,
                    never_merged="text, Z-Image's padding tokens", unserved=lumina.unserved)
 
 # HiDream-I1: no "dit" hook either; its double-stream and single-stream blocks' forwards object-patched.
@@ -78,6 +83,6 @@ HIDREAM = DiTFamily("HiDream", ("HiDream",), False, "comfy.ldm.hidream.model:HiD
                     (BlockGroup("double_stream_blocks", "double_stream_block", TWO_STREAM, "double_forward"),
                      BlockGroup("single_stream_blocks", "single_stream_block", JOINT, "single_forward")),
                     hidream.HiDreamPatch, hidream.HiDreamLayoutStash, intercept=OBJECT_PATCH,
-                    never_merged="text and Llama layer tokens", unserved=hidream.unserved)
+                    placements=WITH_KEYS_VALUES, never_merged="text and Llama layer tokens", unserved=hidream.unserved)
 
 DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)

@@ -13,8 +13,11 @@ Interception:
   keyed by (hook, block index).
 - ``OBJECT_PATCH``: models that call their blocks directly (Lumina 2's NextDiT) get each block's
   ``forward`` object-patched, as the UNet blocks are.
-- The attention override of scope "attention" is a placement (``placements``), not an interception: the
-  replace patch hands the block an ``optimized_attention_override`` (``dit.MergedAttention``).
+- The attention override of scopes "attention" and "keys/values" is a placement (``placements``), not an
+  interception: the block's patch hands the block an ``optimized_attention_override``
+  (``dit.MergedAttention``, ``dit.MergedKeysValues``).
+- Block identity: each block's patch knows its block (a ``BlockPatch``, or the object-patched forward
+  made for it), and passes it to ``MergeRuntime.plan``: per-block plans and shared destinations.
 
 Stacked token merge nodes: the nearer node's patch replaces an earlier node's patch of the same block
 (that node's runtime is found through the patch), so the node nearer the sampler merges where both
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from .. import placement
 from ..host import WRAPPER_KEY, install_run_hooks, original_attr
 from ..runtime import MergeRuntime
-from .dit import DiTPatch, LayoutStash, attention_only, merged_blocks
+from .dit import DiTPatch, LayoutStash, attention_only, keys_values_only, merged_blocks
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -139,7 +142,15 @@ class DiTFamily:
             log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
                         "unpatched", name)
             return model
-        blocks = self.blocks(runtime, attention_only=attention_only(chosen, self.name))
+        proportional = bool(getattr(runtime.strategy, "proportional", False))
+        blocks = self.blocks(runtime, attention_only=attention_only(chosen, self.name),
+                             keys_values=keys_values_only(chosen, self.name), proportional=proportional)
+        if proportional and not (blocks.attention_only or blocks.keys_values):
+            runtime.caveat(f"proportional attention is not honoured on {self.name} with scope block (its blocks run "
+                           "their own attention on merged tokens): use scope keys/values or attention")
+        elif proportional and blocks.attention_only:
+            runtime.caveat(f"proportional attention is honoured only in {self.name}'s double blocks (scope "
+                           "attention); its single blocks run whole on merged tokens without it")
         m = model.clone()
         intercept = self.replace_blocks if self.intercept == REPLACE else self.object_patch_blocks
         merged, left, retaken = intercept(m, dm, blocks)
@@ -169,7 +180,7 @@ class DiTFamily:
                         continue
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
                     blocks.took(g.group, previous)
-                m.set_model_patch_replace(getattr(blocks, g.handler), "dit", g.hook, i)
+                m.set_model_patch_replace(BlockPatch(blocks, g.handler, (g.hook, i)), "dit", g.hook, i)
                 self.patch_companions(m, dm, g, i, blocks)
                 merged.append(f"{g.hook} {i}")
         return merged, left, retaken
@@ -200,7 +211,7 @@ class DiTFamily:
                     current, previous = earlier
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
                     blocks.took(g.group, previous)
-                m.add_object_patch(key, types.MethodType(getattr(blocks, g.handler)(current), layers[i]))
+                m.add_object_patch(key, types.MethodType(getattr(blocks, g.handler)(current, (g.hook, i)), layers[i]))
                 merged.append(f"{g.hook} {i}")
         return merged, [], retaken
 
@@ -213,8 +224,19 @@ def wrapped(model, where: str):
     return getattr(owner, name, None)
 
 
+class BlockPatch:
+    """The "dit" replace patch of one block: ``blocks``' handler named ``handler`` (DiTPatch.double_block,
+    ...), called with the block's identity ``block`` ((hook, index)), which reaches MergeRuntime.plan."""
+
+    def __init__(self, blocks: DiTPatch, handler: str, block: tuple):
+        self.blocks, self.handler, self.block = blocks, handler, block
+
+    def __call__(self, args: dict, extras: dict) -> dict:
+        return getattr(self.blocks, self.handler)(args, extras, block=self.block)
+
+
 def token_merge_node_of(patch):
     """The runtime of the token merge node whose block patch ``patch`` (a "dit" replace patch) is, or
     None for another node's patch."""
-    owner = getattr(patch, "__self__", None)
+    owner = patch.blocks if isinstance(patch, BlockPatch) else getattr(patch, "__self__", None)
     return owner.runtime if isinstance(owner, DiTPatch) else None

@@ -47,23 +47,26 @@ class HiDreamLayoutStash(LayoutStash):
 class HiDreamPatch(DiTPatch):
     """The object-patched forward of HiDream's double-stream and single-stream blocks."""
 
-    def double_forward(self, original):
+    image_first = True  # the joint attention of a double-stream block sees [image, text]
+
+    def double_forward(self, original, block=None):
         """A double-stream block's forward around its unpatched ``original`` (bound): image tokens merged,
-        the text stream whole; it returns (image, text)."""
-        return self.block_forward(original, TWO_STREAM)
+        the text stream whole; it returns (image, text). ``block``: its identity, for per-block plans."""
+        return self.block_forward(original, TWO_STREAM, block)
 
-    def single_forward(self, original):
+    def single_forward(self, original, block=None):
         """A single-stream block's forward: [image, text] with the image merged."""
-        return self.block_forward(original, JOINT)
+        return self.block_forward(original, JOINT, block)
 
-    def block_forward(self, original, group: str):
+    def block_forward(self, original, group: str, block=None):
         patch = self
 
-        def forward(block, image_tokens, image_tokens_masks=None, text_tokens=None, adaln_input=None, rope=None,
+        def forward(module, image_tokens, image_tokens_masks=None, text_tokens=None, adaln_input=None, rope=None,
                     transformer_options={}):
             def run(args):
+                # the block's own options: with scope keys/values they carry the attention override
                 out = original(args["img"], image_tokens_masks, text_tokens, adaln_input, args["pe"],
-                               transformer_options=transformer_options)
+                               transformer_options=args.get("transformer_options", transformer_options))
                 return {"img": out[0], "txt": out[1]} if group == TWO_STREAM else {"img": out}
 
             options = patch.call_options({"transformer_options": transformer_options})
@@ -78,7 +81,7 @@ class HiDreamPatch(DiTPatch):
                                        "its tokens as ToMA expects; those blocks run unmerged")
                 out = run(args)
             else:
-                out = patch.merged_call(group, patch.with_options(args, options), run, 0, joint - layout.total, layout)
+                out = patch.merged_call(group, patch.with_options(args, options), run, 0, joint - layout.total, layout, block)
             return (out["img"], out["txt"]) if group == TWO_STREAM else out["img"]
 
         forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one

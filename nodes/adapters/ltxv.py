@@ -161,7 +161,7 @@ class LTX2Patch(LTXVPatch):
 
     companions = ("video_to_audio_attn",)
 
-    def av_block(self, args: dict, extras: dict) -> dict:
+    def av_block(self, args: dict, extras: dict, block=None) -> dict:
         run, pair = extras["original_block"], args["img"]
         options = self.call_options(args, extras)
         if options is None:
@@ -182,7 +182,7 @@ class LTX2Patch(LTXVPatch):
             audio.append(out_ax)
             return {"img": out_vx}
 
-        out = self.merged_call(VIDEO, {**args, "img": vx}, run_video, layout.lead, 0, layout)
+        out = self.merged_call(VIDEO, {**args, "img": vx}, run_video, layout.lead, 0, layout, block)
         return {"img": (out["img"], audio[-1])}
 
     def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:

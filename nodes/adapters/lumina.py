@@ -63,15 +63,18 @@ class NextDiTLayoutStash(LayoutStash):
 class NextDiTPatch(DiTPatch):
     """The object-patched forward of NextDiT's main layers."""
 
-    def layer_forward(self, original):
-        """A forward for a layer whose unpatched forward is ``original`` (bound): [caption, image,
-        padding] with the image grid merged; a call the layout does not account for runs unpatched."""
+    def layer_forward(self, original, block=None):
+        """A forward for the layer ``block`` (its identity, for per-block plans) whose unpatched forward is
+        ``original`` (bound): [caption, image, padding] with the image grid merged; a call the layout does
+        not account for runs unpatched."""
         patch = self
 
         def forward(layer, x, x_mask=None, freqs_cis=None, adaln_input=None, transformer_options={}, **newer):
             def run(args):
+                # the layer's own options: with scope keys/values they carry the attention override
                 return {"img": original(args["img"], args["attn_mask"], args["pe"], adaln_input,
-                                        transformer_options=transformer_options, **newer)}
+                                        transformer_options=args.get("transformer_options", transformer_options),
+                                        **newer)}
 
             options = patch.call_options({"transformer_options": transformer_options})
             layout = None if options is None else options[LAYOUT_KEY]
@@ -88,7 +91,7 @@ class NextDiTPatch(DiTPatch):
                 return run({"img": x, "attn_mask": x_mask, "pe": freqs_cis})["img"]
 
             args = {"img": x, "attn_mask": x_mask, "pe": freqs_cis, "transformer_options": transformer_options}
-            return patch.merged_call(JOINT, patch.with_options(args, options), run, txt_len, txt_len, layout)["img"]
+            return patch.merged_call(JOINT, patch.with_options(args, options), run, txt_len, txt_len, layout, block)["img"]
 
         forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one
         return forward

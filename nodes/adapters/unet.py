@@ -347,6 +347,9 @@ def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
         log.warning("ToMA: %s merges nothing: this UNet has attention only at downsample %s, none of %s",
                     runtime.name, ", ".join(map(str, available)), ", ".join(map(str, sorted(levels))))
     patch = UNetPatch(runtime, levels, scope, getattr(runtime.strategy, "proportional", False))
+    if getattr(runtime.strategy, "proportional", False) and scope == placement.BLOCK:
+        runtime.caveat("proportional attention is not honoured with scope block (the blocks run their own "
+                       "attention on merged tokens): use scope attention or keys/values")
     m = model.clone()
     hold(m, patch)
     if scope != placement.BLOCK:

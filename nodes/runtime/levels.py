@@ -91,7 +91,8 @@ class RunReport:
     left_to: levels another node took. nothing_merges: why nothing merges, in words. failed: the plans
     that could not be built (their blocks run unmerged). unmerged: reason -> block calls that ran unmerged
     although the node would merge them (``MergeRuntime.unmerged``). seconds: time per stage (``clock`` says which
-    clock); wall_seconds: the run's wall time so far (None outside a run)."""
+    clock); wall_seconds: the run's wall time so far (None outside a run). caveats: what the patched model
+    does otherwise than its node asks, in words (MergeRuntime.caveat)."""
 
     method: str
     steps: int | None
@@ -106,6 +107,7 @@ class RunReport:
     seconds: dict
     clock: str
     wall_seconds: float | None
+    caveats: tuple = ()
 
     def summary(self) -> dict:
         """The report as JSON (stats message, run listeners): levels by label, each with its fields, in
@@ -121,6 +123,7 @@ class RunReport:
             "seconds": self.seconds,
             "clock": self.clock,
             "wall_seconds": self.wall_seconds,
+            "caveats": list(self.caveats),
         }
 
 

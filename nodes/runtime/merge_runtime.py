@@ -36,6 +36,7 @@ class MergeRuntime:
         # the transformer_options of the model call under way, stashed by the DiT adapters' model-call wrapper
         # (dit.LayoutStash) for blocks called without them (a cache node's own forward_orig)
         self.model_call: dict | None = None
+        self.caveats: list[str] = []  # what the patched model does otherwise than its node asks (caveat)
         self._plans: dict[PlanKey, object] = {}
         self._shared: dict = {}  # (level, rows) -> (step, destinations) where a level's blocks share them
         self._generators: dict = {}  # device -> the run's generator, advanced by every plan built
@@ -72,6 +73,13 @@ class MergeRuntime:
         if key not in self.notices:
             self.notices.add(key)
             log.warning("ToMA: " + message, *args)
+
+    def caveat(self, message: str) -> None:
+        """Log ``message`` once and keep it for every run's stats: something the node asks for that this
+        patched model does not do (said when patching)."""
+        if message not in self.caveats:
+            self.caveats.append(message)
+            log.warning("ToMA: %s: %s", self.name, message)
 
     # -- run boundaries -------------------------------------------------------------------------
     def begin_run(self, schedule=None, model_sampling=None):
@@ -233,7 +241,7 @@ class MergeRuntime:
             plans=dict(self._plans), shared_destinations={k: v[1] for k, v in self._shared.items()},
             left_to=dict(self._left_to), nothing_merges=tuple(sorted(self._idle)), failed=frozenset(self._failed),
             unmerged=dict(self._unmerged),
-            seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall)
+            seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall, caveats=tuple(self.caveats))
 
     def summary(self) -> dict:
         """The report as JSON (``RunReport.summary``), what the run listeners get."""
