@@ -79,6 +79,14 @@ def test_dit_front_offers_the_attention_placement_only_on_images():
     assert not any(label.startswith("ToMA attention") for label in video)
 
 
+def test_dit_front_offers_keys_values_with_its_fixes_on_images_and_video():
+    for video in (False, True):
+        labels = {v.label for v in curves.dit_front(FakeToMANodes, video=video)}
+        assert {"ToMA keys/values r=0.75", "ToMA keys/values, proportional r=0.75",
+                "ToMA keys/values, per block, proportional r=0.9",
+                "ToMA keys/values, per block, shared destinations, proportional r=0.9"} <= labels
+
+
 @pytest.mark.parametrize("argv, bad", [
     (["--arch", "flux", "--set", "placements"], "--set placements is for the UNet proxies"),
     (["--arch", "sdxl", "--set", "front"], "--set front is for the DiT proxies"),

@@ -186,8 +186,9 @@ def sdxl_placements(tn) -> list[Variant]:
 
 def dit_front(tn, video: bool) -> list[Variant]:
     """Around the DiT default (whole blocks, window 4, reuse 5, every step from the first): the first 20% of
-    the schedule unmerged, window 8, one step in 2, per-block plans; on Flux layouts also the attention-only
-    placement. For choosing each DiT family's default on the GPU clock."""
+    the schedule unmerged, window 8, one step in 2, per-block plans; keys/values merging (plain, with
+    proportional attention, with per-block plans, with shared destinations); on Flux layouts also the
+    attention-only placement. For choosing each DiT family's default on the GPU clock."""
     out = [Variant("unpatched", "", lambda m: m)]
     out += [toma(tn, "ToMA block", f"r={r:g}", r, scope="block") for r in RATIOS]
     out += [toma(tn, "ToMA block, start 0.2", f"r={r:g}", r, scope="block", start_percent=0.2) for r in RATIOS]
@@ -196,6 +197,14 @@ def dit_front(tn, video: bool) -> list[Variant]:
                  start_percent=0.2) for r in (0.5, 0.75)]
     out += [toma(tn, "ToMA block, 1 step in 2", f"r={r:g}", r, scope="block", merge_every=2) for r in (0.5, 0.75)]
     out += [toma(tn, "ToMA block, per block", "r=0.5", 0.5, scope="block", plan_per_block=True)]
+    # keys/values: queries whole, nothing unmerged; what proportional attention and per-block plans add
+    kv = {"scope": "keys/values"}
+    out += [toma(tn, "ToMA keys/values", "r=0.75", 0.75, **kv),
+            toma(tn, "ToMA keys/values, proportional", "r=0.75", 0.75, proportional_attention=True, **kv)]
+    out += [toma(tn, "ToMA keys/values, per block, proportional", f"r={r:g}", r, plan_per_block=True,
+                 proportional_attention=True, **kv) for r in (0.75, 0.9)]
+    out += [toma(tn, "ToMA keys/values, per block, shared destinations, proportional", f"r={r:g}", r,
+                 plan_per_block=True, shared_destinations=True, proportional_attention=True, **kv) for r in (0.75, 0.9)]
     if not video:
         out += [toma(tn, f"ToMA block, start {p:g}", "r=0.75", 0.75, scope="block", start_percent=p) for p in (0.3, 0.4)]
         out += [toma(tn, "ToMA block, start 0.2, 1 step in 2", "r=0.75", 0.75, scope="block", start_percent=0.2,

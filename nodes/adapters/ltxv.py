@@ -173,6 +173,8 @@ class LTX2Patch(LTXVPatch):
         if (not self.tokens_fit(pair[0].shape[1], layout.total, options)
                 or not self.positions_fit_or_count(args, VIDEO, 0, layout)):
             return run(args)
+        passed = isinstance(args.get("transformer_options"), dict)
+        self.whole_blocks_unless(passed)
         args = self.with_options(args, options)
         vx, ax = pair
         audio = []
@@ -182,7 +184,7 @@ class LTX2Patch(LTXVPatch):
             audio.append(out_ax)
             return {"img": out_vx}
 
-        out = self.merged_call(VIDEO, {**args, "img": vx}, run_video, layout.lead, 0, layout, block)
+        out = self.merged_call(VIDEO, {**args, "img": vx}, run_video, layout.lead, 0, layout, block, passed)
         return {"img": (out["img"], audio[-1])}
 
     def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
