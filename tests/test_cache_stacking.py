@@ -5,8 +5,9 @@ Both caches swap in their own copy of the diffusion model's ``forward_orig`` (or
 ``forward``) for the model call, and their copies call the blocks without ``transformer_options`` (Wan's
 hands them beside ``original_block``). The block patches then find the call's layout on the runtime,
 where the model-call wrapper stashed it (dit.LayoutStash). Where a cache replaces the diffusion model's
-``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video), that wrapper never runs: ToMA cannot find
-the layout, runs unmerged and says so (the run report's "no token layout").
+``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video), that wrapper never runs: Lumina 2 and
+HiDream read the layout outside the diffusion model (DiTFamily.read_outside); on LTX-Video ToMA cannot
+find it, runs unmerged and says so (the run report's "no token layout").
 
 The caches' code is read from mirrors of their repositories at test time (toma_bench/pack_source.py); the
 cases skip with the reason where there is none, or where the cache alone fails in this tree. A stand-in for
@@ -30,7 +31,9 @@ TEACACHE = {"flux": "flux", "wan": "wan2.1_t2v_1.3B", "hunyuan_video": "hunyuan_
             "hidream": "hidream_i1_dev", "ltxv": "ltxv"}
 MAGCACHE = {"flux": "flux", "wan": "wan2.1_t2v_1.3B", "hunyuan_video": "hunyuan_video", "chroma": "chroma",
             "qwen_image": "qwen_image", "hunyuan_video15": "hunyuan_video1.5"}
-FORWARD_REPLACED = {"lumina2", "hidream", "ltxv"}  # TeaCache replaces these diffusion models' forward
+# TeaCache replaces these diffusion models' forward; ToMA reads the layout outside them (read_outside),
+# except LTX-Video's, whose per-token timesteps the latent outside does not tell
+FORWARD_REPLACED = {"ltxv"}
 # what the caches keep on the diffusion model between calls (and, at times, between runs)
 CACHE_STATE = ("teacache_state", "magcache_state", "accumulated_err", "accumulated_ratio",
                "accumulated_rel_l1_distance", "accumulated_steps", "cnt", "previous_modulated_input",

@@ -228,7 +228,8 @@ class LayoutStash:
             return executor(*args, **kwargs)
         # Lumina 2's NextDiT takes transformer_options among its **kwargs
         options = call.get("transformer_options", (call.get("kwargs") or {}).get("transformer_options"))
-        layout = self.layout(call)
+        # BaseModel._apply_model hands the extra conds (attention_mask, ref_latents, ...) among its **kwargs
+        layout = self.layout({**(call.get("kwargs") or {}), **call})
         if not isinstance(options, dict) or layout is None:
             return executor(*args, **kwargs)
         options[LAYOUT_KEY] = layout
@@ -580,9 +581,13 @@ class DiTPatch:
         return None
 
     def with_options(self, args: dict, options: dict) -> dict:
-        """``args`` with the model call's ``options`` where the caller passed none (the merging code reads
-        the sampling step from them)."""
-        return args if isinstance(args.get("transformer_options"), dict) else {**args, "transformer_options": options}
+        """``args`` with the model call's ``options`` (``call_options``) under the block's own, where the
+        caller passed none or others without the layout (an empty default): the merging code reads the
+        sampling step from them."""
+        own = args.get("transformer_options")
+        if own is options:
+            return args
+        return {**args, "transformer_options": {**options, **own} if isinstance(own, dict) else options}
 
     def tokens_fit(self, tokens: int, expected: int, options: dict) -> bool:
         """Whether a block call's ``tokens`` are the ``expected`` ones of its layout; where not, why it runs

@@ -76,13 +76,14 @@ CHROMA = DiTFamily("Chroma", ("Chroma",), False, "comfy.ldm.chroma.model:Chroma"
 LUMINA = DiTFamily("Lumina 2 / Z-Image", ("Z-Image", "Lumina 2"), False, "comfy.ldm.lumina.model:NextDiT",
                    (BlockGroup("layers", "layer", JOINT, "layer_forward"),), lumina.NextDiTPatch,
                    lumina.NextDiTLayoutStash, intercept=OBJECT_PATCH, placements=WITH_KEYS_VALUES,
-                   never_merged="text, Z-Image's padding tokens", unserved=lumina.unserved)
+                   never_merged="text, Z-Image's padding tokens", unserved=lumina.unserved, read_outside=True)
 
 # HiDream-I1: no "dit" hook either; its double-stream and single-stream blocks' forwards object-patched.
 HIDREAM = DiTFamily("HiDream", ("HiDream",), False, "comfy.ldm.hidream.model:HiDreamImageTransformer2DModel",
                     (BlockGroup("double_stream_blocks", "double_stream_block", TWO_STREAM, "double_forward"),
                      BlockGroup("single_stream_blocks", "single_stream_block", JOINT, "single_forward")),
                     hidream.HiDreamPatch, hidream.HiDreamLayoutStash, intercept=OBJECT_PATCH,
-                    placements=WITH_KEYS_VALUES, never_merged="text and Llama layer tokens", unserved=hidream.unserved)
+                    placements=WITH_KEYS_VALUES, never_merged="text and Llama layer tokens", unserved=hidream.unserved,
+                    read_outside=True)
 
 DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)

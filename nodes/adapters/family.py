@@ -71,7 +71,11 @@ class DiTFamily:
     diffusion model's ``_forward``; "APPLY_MODEL": ``BaseModel._apply_model``) the model has.
     patch_size: the diffusion model's attribute path to its patch size. intercept: REPLACE or
     OBJECT_PATCH. placements: the placement.SCOPES it honours. never_merged: the tokens that stay whole,
-    in words (the patch log line says them). unserved: diffusion model -> why it is not served, or None."""
+    in words (the patch log line says them). unserved: diffusion model -> why it is not served, or None.
+    read_outside: whether the stash also wraps ``BaseModel._apply_model`` (outside the diffusion model;
+    the wrapper inside overrides it where it runs), for nodes that replace the diffusion model's
+    ``forward`` itself (TeaCache on Lumina 2 and HiDream): a family whose layout the latent and the extra
+    conds tell there."""
 
     name: str
     names: tuple[str, ...]
@@ -86,6 +90,7 @@ class DiTFamily:
     placements: tuple[str, ...] = (placement.BLOCK,)
     never_merged: str = "text"
     unserved: Callable | None = None
+    read_outside: bool = False
 
     def model_type(self):
         """The diffusion model class, or None where this ComfyUI has none."""
@@ -155,6 +160,11 @@ class DiTFamily:
         intercept = self.replace_blocks if self.intercept == REPLACE else self.object_patch_blocks
         merged, left, retaken = intercept(m, dm, blocks)
         m.add_wrapper_with_key(*stash)
+        if self.read_outside and self.wrapper_of(model) != "APPLY_MODEL":
+            from comfy.patcher_extension import WrappersMP
+
+            outside = self.stash(wrapped(model, "APPLY_MODEL"), operator.attrgetter(self.patch_size)(dm), runtime)
+            m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, outside)
         install_run_hooks(m, runtime)
         if left:
             log.info("ToMA: %s left unmerged (already patched by another node)", ", ".join(left))

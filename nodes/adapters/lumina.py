@@ -44,7 +44,8 @@ class NextDiTLayoutStash(LayoutStash):
 
     def __init__(self, target, patch_size, runtime):
         super().__init__(target, patch_size, runtime)
-        self.pad_multiple = getattr(target.__self__, "pad_tokens_multiple", None)
+        owner = target.__self__  # NextDiT, or the BaseModel around it (read_outside)
+        self.pad_multiple = getattr(getattr(owner, "diffusion_model", owner), "pad_tokens_multiple", None)
 
     def layout(self, call: dict) -> ImageLayout | None:
         x, mask = call.get("x"), call.get("attention_mask")
