@@ -338,3 +338,35 @@ def test_windows_over_two_frames_merge_a_still_frame_into_the_other():
     assert across.num_merged == within.num_merged == h * w
     assert torch.allclose(across.unmerge(across.merge(x)), x, atol=1e-5)
     assert float((within.unmerge(within.merge(x)) - x).norm() / x.norm()) > 0.3
+
+
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES)
+@pytest.mark.parametrize("exact", [False, True])
+def test_dense_operators_merge_and_unmerge_as_the_windows_do(hw, tile, temporal_window, exact):
+    # one GEMM each way with the windows folded in, padded grids and edge tiles that keep fewer
+    # destinations included; the same plan otherwise
+    x = torch.randn(2, math.prod(hw), 8, generator=gen(16))
+    windowed = plan_tiles(x, hw, tile, 0.6, generator=gen(0), temporal_window=temporal_window, exact=exact, dense=False)
+    dense = plan_tiles(x, hw, tile, 0.6, generator=gen(0), temporal_window=temporal_window, exact=exact, dense=True)
+    assert windowed.dense is None
+    assert [t.shape for t in dense.dense] == [(2, windowed.num_merged, math.prod(hw)), (2, math.prod(hw), windowed.num_merged)]
+    assert torch.equal(dense.destinations, windowed.destinations)
+    merged = dense.merge(x)
+    assert torch.allclose(merged, windowed.merge(x), atol=1e-5)
+    y = torch.randn(merged.shape, generator=gen(17))
+    assert torch.allclose(dense.unmerge(y), windowed.unmerge(y), atol=1e-5)
+    assert torch.allclose(dense.unmerge_update(x, merged, y), windowed.unmerge_update(x, merged, y), atol=1e-5)
+
+
+def test_dense_operators_where_launches_cost_more_than_the_arithmetic():
+    from toma_core.plan import DENSE_MAX_MERGED, dense_operators
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    assert dense_operators(meta, 1024, 4096) and dense_operators(torch.device("cuda"), 256, 1024)
+    assert not dense_operators(cpu, 256, 1024)  # a CPU pays arithmetic, not launches
+    assert not dense_operators(meta, DENSE_MAX_MERGED + 1, 4 * DENSE_MAX_MERGED)
+    assert not dense_operators(meta, 1024, 75_600)  # a video grid: the dense matrices would not fit
+    x = torch.randn(1, 64, 8, dtype=torch.bfloat16, device="meta")
+    plan = plan_tiles(x, (8, 8), 4, 0.5)
+    assert plan.dense is not None and plan.merge(x).shape == (1, 32, 8)
+    assert plan_tiles(torch.randn(1, 64, 8), (8, 8), 4, 0.5).dense is None

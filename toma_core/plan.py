@@ -8,6 +8,10 @@ For one tile with normalised tokens X (S x C) and destinations Dn (D x C):
     M = A / rowsum(A)                                      (merge: each row a weighted average)
     U = A^T                                                (unmerge; = pinv(M) when A is hard)
 Merging and unmerging are batched matmuls over (B, T) with tiny D x S matrices: no sort, no scatter.
+Gathering the windows out of the raster order, and putting them back, takes a copy each way; where the
+launches cost more than the arithmetic (a GPU fed by a host that issues every kernel), a plan also holds
+its operators dense, (N' x N) with the window layout folded in, and merges and unmerges in one GEMM each
+(``dense_operators``).
 """
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -18,6 +22,18 @@ from .selection import select_by_similarity, unit_similarity, unit_vectors
 from .tiles import TileGrid, grid_on, tile_tokens, token_grid, untile_tokens
 
 DEFAULT_TAU = 1000.0
+# The dense operators' size limits: merged tokens (their GEMM does 2 N' multiply-adds per token channel where
+# the window copies move a few bytes, which a GPU's GEMM rate repays up to about a thousand merged tokens)
+# and entries per batch row (memory: two N' x N matrices per plan).
+DENSE_MAX_MERGED = 1024
+DENSE_MAX_ENTRIES = 4096 * 1024
+
+
+def dense_operators(device: torch.device, merged: int, tokens: int) -> bool:
+    """Whether a plan of ``merged`` of ``tokens`` tokens on ``device`` merges and unmerges with dense
+    operators: on an accelerator (and the meta device, which stands for one), within the size limits. A CPU
+    runs kernels as the host issues them: the windowed form's arithmetic is all it pays."""
+    return device.type != "cpu" and merged <= DENSE_MAX_MERGED and merged * tokens <= DENSE_MAX_ENTRIES
 
 
 def destinations_per_tile(grid: TileGrid, ratio: float) -> torch.Tensor:
@@ -55,6 +71,13 @@ def plan_geometry(grid: TileGrid, ratio: float, device: torch.device) -> PlanGeo
     return PlanGeometry(D, grid_on(grid, device)[0], live_slot.to(device), live)
 
 
+@lru_cache(maxsize=256)
+def row_offsets(batch: int, tiles: int, tile_size: int, device: torch.device) -> torch.Tensor:
+    """(batch, tiles, 1) long: the first row of each tile in a (batch * tiles * tile_size, C) view, made on
+    the host and copied to ``device`` once per shape."""
+    return torch.arange(0, batch * tiles * tile_size, tile_size).view(batch, tiles, 1).to(device)
+
+
 def check_merged_shape(y: torch.Tensor, batch: int, tokens: int) -> None:
     """Unmerge only what this plan merged: a tensor of other rows or tokens (another patch's tokens) would
     otherwise be reinterpreted silently."""
@@ -82,6 +105,8 @@ class MergePlan(TokenPlan):
     live: (N',) long, which of the T*D slots hold a real merged token; None when all do.
     mass: (B, T, D) fp32, how many tokens each destination stands for (the row sums of the soft
           assignment A); None for plans built without it.
+    dense: (M (B, N', N), U (B, N, N')) with the windows folded in: merge and unmerge are one GEMM each (no
+           view made per call: each costs the host a few microseconds); None: they go through the windows.
     """
 
     grid: TileGrid
@@ -90,6 +115,7 @@ class MergePlan(TokenPlan):
     unmerge_weights: torch.Tensor
     live: torch.Tensor | None
     mass: torch.Tensor | None = None
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_merged(self) -> int:
@@ -99,6 +125,8 @@ class MergePlan(TokenPlan):
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, C) -> (B, N', C)."""
+        if self.dense is not None:
+            return torch.bmm(self.dense[0], x)
         B, T, D, _ = self.merge_weights.shape
         merged = (self.merge_weights @ tile_tokens(x, self.grid)).view(B, T * D, -1)
         return merged if self.live is None else merged.index_select(1, self.live)
@@ -107,6 +135,8 @@ class MergePlan(TokenPlan):
         """(B, N', C) -> (B, N, C)."""
         B, T, D, _ = self.merge_weights.shape
         check_merged_shape(y, B, self.num_merged)
+        if self.dense is not None:
+            return torch.bmm(self.dense[1], y)
         if self.live is not None:
             y = y.new_zeros(B, T * D, y.shape[-1]).index_copy_(1, self.live, y)
         return untile_tokens(self.unmerge_weights @ y.view(B, T, D, -1), self.grid)
@@ -160,6 +190,7 @@ def plan_tiles(
     destinations: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     temporal_window: int = 1,
+    dense: bool | None = None,
 ) -> "MergePlan | IdentityPlan":
     """Build a ToMA plan from block features.
 
@@ -171,6 +202,7 @@ def plan_tiles(
     exact: unmerge with the true pseudo-inverse of M (fp32), for soft tau.
     destinations: (B, T, D) from an earlier plan of the same grid, to refresh only the weights.
     generator: seeded generator for the stochastic selector used on large tiles.
+    dense: also hold the operators dense (MergePlan.dense); None: as ``dense_operators`` decides.
     Weights are computed in fp32 and returned in x's dtype.
     """
     grid = token_grid(hw, window_size, temporal_window)
@@ -178,21 +210,49 @@ def plan_tiles(
         return IdentityPlan(grid, x.shape[0], x.device)
     geometry = plan_geometry(grid, float(ratio), x.device)
     valid, live_slot, D = geometry.valid, geometry.live_slot, geometry.keep
-    feats = unit_vectors(tile_tokens(x, grid))  # (B, T, S, C) fp32
+    feats = unit_vectors(tile_tokens(x, grid, torch.float32))  # (B, T, S, C) fp32
     B, T, S, C = feats.shape
     if destinations is None:
-        destinations = select_by_similarity(unit_similarity(feats), D, valid, generator=generator)
-        destinations = destinations.masked_fill(~live_slot, -1)
+        # a grid without padding has no slot to mask, and one whose tiles all keep D destinations no slot unused
+        destinations = select_by_similarity(unit_similarity(feats), D, valid if grid.padded else None,
+                                            generator=generator)
+        if geometry.live is not None:
+            destinations = destinations.masked_fill(~live_slot, -1)
     elif destinations.shape[1:] != (grid.num_tiles, D) or destinations.shape[0] != x.shape[0]:
         raise ValueError(f"destinations {tuple(destinations.shape)} do not fit batch {x.shape[0]} and {grid}")
-    used = destinations >= 0  # (B, T, D)
+    # Where every tile keeps D destinations (no unused slot -1) and no slot is padding, the masks below
+    # change nothing: a weight refresh is then a dozen kernels, each a launch the host pays on a GPU.
+    unused = geometry.live is not None
     # gather the destination rows as whole rows of (B*T*S, C): index_select copies rows, gather goes
     # element by element (2-4x slower on CPU)
-    rows = destinations.clamp(min=0) + torch.arange(0, B * T * S, S, device=x.device).view(B, T, 1)
-    dst = feats.view(B * T * S, C).index_select(0, rows.view(-1)).view(B, T, D, C)
-    logits = (dst @ feats.transpose(-1, -2)).mul_(tau)  # (B, T, D, S)
-    logits.masked_fill_(~used[..., None], float("-inf"))
-    A = logits.softmax(dim=-2) * valid[None, :, None, :]
-    M = A / A.sum(-1, keepdim=True).clamp_min(1e-12)
-    U = torch.linalg.pinv(M) if exact else A.transpose(-1, -2)
-    return MergePlan(grid, destinations, M.to(x.dtype), U.to(x.dtype), geometry.live, A.sum(-1))
+    rows = (destinations.clamp(min=0) if unused else destinations) + row_offsets(B, T, S, x.device)
+    dst = feats.view(B * T * S, C).index_select(0, rows.view(-1)).view(B * T, D, C)
+    logits = torch.baddbmm(feats.new_empty(B * T, D, S), dst, feats.view(B * T, S, C).transpose(-1, -2),
+                           beta=0, alpha=tau).view(B, T, D, S)
+    if unused:
+        logits.masked_fill_((destinations < 0)[..., None], float("-inf"))
+    A = logits.softmax(dim=-2)
+    if grid.padded:
+        A = A * valid[None, :, None, :]
+    mass = A.sum(-1, keepdim=True)  # >= 1/D for a used destination: its own token weighs most on it
+    M = A / (mass.clamp_min(1e-12) if unused else mass)
+    # M and U^T in x's dtype in one conversion; U = A^T or pinv(M) are views of it
+    weights = torch.stack([M, torch.linalg.pinv(M).transpose(-1, -2) if exact else A]).to(x.dtype)
+    merged = T * D if geometry.live is None else geometry.live.numel()
+    if dense is None:
+        dense = dense_operators(x.device, merged, grid.num_tokens)
+    operators = dense_form(grid, weights, geometry.live) if dense else None
+    return MergePlan(grid, destinations, weights[0], weights[1].transpose(-1, -2), geometry.live, mass.squeeze(-1),
+                     operators)
+
+
+def dense_form(grid: TileGrid, weights: torch.Tensor, live: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M (B, N', N), U (B, N, N')) from ``weights`` (2, B, T, D, S), M and U^T, each window slot's weight
+    moved to the column of its token (a padding slot, whose weights are 0, adds 0 to the token it names),
+    the rows of the live slots kept. One scatter (and one row gather where edge tiles keep fewer
+    destinations)."""
+    _, B, T, D, S = weights.shape
+    columns = grid_on(grid, weights.device)[1].view(1, 1, T, 1, S).expand(2, B, T, D, S)
+    out = weights.new_zeros(2, B, T, D, grid.num_tokens).scatter_add_(-1, columns, weights).view(2, B, T * D, -1)
+    out = out if live is None else out.index_select(2, live)
+    return out[0], out[1].transpose(1, 2)

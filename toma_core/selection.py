@@ -91,7 +91,7 @@ def _greedy(sim, k, valid, sample_size, generator):
         penalty.masked_fill_(~candidate, float("-inf"))
     cover = sim.new_zeros(P, S)
     rows = sim.view(P * S, S)
-    row_of_set = torch.arange(0, P * S, S, device=sim.device)
+    row_of_set = torch.arange(0, P * S, S, device=sim.device) if sample_size is not None else None
     gains, picks = [], []
     for i in range(k):
         if sample_size is None:
@@ -108,6 +108,8 @@ def _greedy(sim, k, valid, sample_size, generator):
         penalty.scatter_(1, best[:, None], float("-inf"))
         # a set with no candidate left picks a token it holds already (or padding, whose similarities
         # add nothing to a cover that is complete): the cover stays as it is
-        cover = torch.maximum(cover, rows.index_select(0, best + row_of_set))
-    picks = torch.stack(picks, 1).masked_fill_(torch.stack(gains, 1) == float("-inf"), -1)
+        cover = torch.maximum(cover, sim.gather(1, best.view(P, 1, 1).expand(P, 1, S)).view(P, S))
+    picks = torch.stack(picks, 1)
+    if valid is not None:  # without padding every set has S >= k candidates: no pick runs out
+        picks.masked_fill_(torch.stack(gains, 1) == float("-inf"), -1)
     return picks.view(*batch, k)

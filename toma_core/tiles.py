@@ -115,8 +115,9 @@ def grid_on(grid: TileGrid, device: torch.device) -> tuple[torch.Tensor, torch.T
     return grid.valid.to(device), grid.tile_origin.to(device)
 
 
-def tile_tokens(x: torch.Tensor, grid: TileGrid) -> torch.Tensor:
-    """(B, frames*h*w, C) raster tokens -> (B, T, S, C) tiles; padding slots are zeros."""
+def tile_tokens(x: torch.Tensor, grid: TileGrid, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, frames*h*w, C) raster tokens -> (B, T, S, C) tiles (in ``dtype``, default x's); padding slots are
+    zeros. Without padding, one copy reorders and converts at once."""
     B, N, C = x.shape
     if N != grid.num_tokens:
         raise ValueError(f"expected {grid.frames}x{grid.h}x{grid.w}={grid.num_tokens} tokens, got {N}")
@@ -126,7 +127,11 @@ def tile_tokens(x: torch.Tensor, grid: TileGrid) -> torch.Tensor:
         g = F.pad(g, (0, 0, 0, grid.cols * t - grid.w, 0, grid.rows * t - grid.h,
                       0, grid.frame_windows * f - grid.frames))
     g = g.view(B, grid.frame_windows, f, grid.rows, t, grid.cols, t, C).permute(0, 1, 3, 5, 2, 4, 6, 7)
-    return g.reshape(B, grid.num_tiles, grid.tile_size, C)
+    if dtype is None or dtype == x.dtype:
+        return g.reshape(B, grid.num_tiles, grid.tile_size, C)
+    out = x.new_empty(B, grid.num_tiles, grid.tile_size, C, dtype=dtype)
+    out.view(g.shape).copy_(g)
+    return out
 
 
 def untile_tokens(tiles: torch.Tensor, grid: TileGrid) -> torch.Tensor:
