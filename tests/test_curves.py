@@ -133,3 +133,15 @@ def test_a_run_on_a_tiny_proxy_prints_every_variant_and_draws(comfy, tmp_path):
     assert math.isfinite(float(rows["ToMA defaults r=0.75"]))  # merging moved the pictures
     for name in ("curves_sd15_toma_8.png", "curves_sd15_toma_8_samples.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_cli_prices_regimes_and_runs_chosen_variants(capsys):
+    args = curves.parse_args(["--arch", "sdxl", "--set", "placements", "--regimes", "eager,graphs",
+                              "--variants", "node default,start 0.25"])
+    assert args.regimes == ["eager", "graphs"] and args.variants == ["node default", "start 0.25"]
+    line = curves.command_line(args)
+    assert "--regimes eager,graphs" in line and "--variants 'node default,start 0.25'" in line
+    assert "--regimes" not in curves.command_line(curves.parse_args(["--arch", "sdxl"]))
+    with pytest.raises(SystemExit):
+        curves.parse_args(["--regimes", "eager,jit"])
+    assert "--regimes" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
     python -m toma_bench.curves [--arch sd15|sdxl|flux|flux32|wan|wan32] [--set methods|toma|placements|front|fewsteps]
                                 [--side N] [--batch 4] [--steps 20] [--repeats 5] [--threads 1]
-                                [--hardware h200|...|cpu] [--real MODEL] [--out DIR]
+                                [--hardware h200|...|cpu] [--regimes eager,graphs,compiled] [--variants PART,...]
+                                [--real MODEL] [--out DIR]
 
 The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x- or SDXL-layout UNet, Flux DiT or
 Wan video DiT, trained here on photographs; flux32 and wan32 on 32x32-token grids), so a merge that
@@ -18,8 +19,9 @@ bit for bit), so the fidelity columns reproduce to the digit.
 Speed, the axis: the cost model's (toma_bench.costmodel) modelled GPU speed-up of the real-size model of
 the proxy's family (SD1.5 512x512, SDXL 1024x1024, FLUX.1-dev 1024x1024, Wan 2.1 14B 720p; ``--real``
 another costmodel row, e.g. z_image_turbo for few-step runs) patched with the same setting,
-for as many steps as the proxy runs, on ``--hardware`` (default h200), with the FLOPs it saves beside
-it: the speed users get, not that of a 1024-token proxy on a CPU. ``--hardware cpu`` makes the CPU time
+for as many steps as the proxy runs, on ``--hardware`` (default h200) in the first of ``--regimes``
+(default eager; the others, graph replay and torch.compile, get columns of their own at the end), with the
+FLOPs it saves beside it: the speed users get, not that of a 1024-token proxy on a CPU. ``--hardware cpu`` makes the CPU time
 the axis again. CPU columns stay: the process CPU time and the wall time of whole sampling runs. After one untimed run per variant
 (the fidelity run, which also warms up), ``--repeats`` rounds run every variant once, in an order
 rotated each round, so a slow spell of a shared machine hits all of them alike. A variant's speed-up
@@ -46,7 +48,7 @@ from pathlib import Path
 import torch
 
 from . import comfy_host, costmodel, proxy, run, sampling
-from .gpuclock import profile
+from .gpuclock import REGIMES, profile
 from .metrics import psnr, relative_l2, ssim
 from .tables import format_cell, format_table
 from .run import Variant, comfy_tome
@@ -161,6 +163,12 @@ def sdxl_placements(tn) -> list[Variant]:
     out += [toma(tn, "ToMA attention, auto+next", f"r={r:g}", r, **nxt) for r in (0.5, 0.75)]
     out += [toma(tn, "ToMA attention, per block, proportional, window 8, auto+next", "r=0.75", 0.75, window_size=8,
                  **nxt, **fixed)]
+    # the SDXL default's neighbours on the clock that prices the host (December 2026): fewer weight refreshes
+    # (a host that issues every kernel pays each), a later start
+    for start in (0.15, 0.25):
+        out += [toma(tn, f"ToMA attention, auto+next, start {start:g}, weights every 5", f"r={r:g}", r,
+                     start_percent=start, weights_interval=5, **nxt) for r in (0.75, 0.85)]
+    out.append(toma(tn, "ToMA attention, auto+next, start 0.25", "r=0.75", 0.75, start_percent=0.25, **nxt))
     out += [toma(tn, "ToMA block, auto+next", f"r={r:g}", r, scope="block", **nxt) for r in (0.5, 0.75)]
     out += [toma(tn, "ToMA block, window 8, auto+next", f"r={r:g}", r, scope="block", window_size=8, **nxt)
             for r in (0.5, 0.75)]
@@ -274,6 +282,7 @@ class Row:
     latent_rel_l2: float
     gpu_speedup: float | None = None  # the cost model's, of the real-size model with the same setting
     flops_saved: float | None = None  # % of the real-size model's FLOPs per step
+    regime_speedups: dict | None = None  # the cost model's speed-up in each of --regimes
 
 
 def measure(base, variants: list[Variant], args, pack, progress=print):
@@ -323,18 +332,25 @@ def gpu_clock(rows: list[Row], pack, args, progress=print) -> None:
     recorded = costmodel.record_model(spec, pack, args.steps,
                                       [costmodel.Variant(r.variant.label, patch=r.variant.patch, meta_scalar=merge_count(r)) for r in rows],
                                       progress=progress)
-    for row, priced in zip(rows, costmodel.price(recorded, profile(args.hardware), "pipelined", False)):
-        row.gpu_speedup, row.flops_saved = priced.speed_up, priced.flops_saved or 0.0
+    hw = profile(args.hardware)
+    priced = {regime: costmodel.price(recorded, hw, "pipelined", False, regime) for regime in args.regimes}
+    for i, row in enumerate(rows):
+        first = priced[args.regimes[0]][i]
+        row.gpu_speedup, row.flops_saved = first.speed_up, first.flops_saved or 0.0
+        row.regime_speedups = {regime: rows_[i].speed_up for regime, rows_ in priced.items()}
 
 
 # -- output -------------------------------------------------------------------------------------------
-def table(rows: list[Row], hardware: str = "GPU") -> str:
+def table(rows: list[Row], hardware: str = "GPU", regimes: tuple = ("eager",)) -> str:
+    """The rows; the speed-up in the first of ``regimes`` after the label, the others' at the end."""
+    more = list(regimes[1:]) if rows and rows[0].regime_speedups else []
     head = ["variant", f"{hardware} speed-up", "FLOPs saved", "PSNR dB", "SSIM", "latent relL2", "removed",
-            "CPU s", "wall s", "CPU speed-up", "spread", "wall speed-up"]
+            "CPU s", "wall s", "CPU speed-up", "spread", "wall speed-up"] + [f"{hardware} {r}" for r in more]
     lines = [[r.variant.label, format_cell(r.gpu_speedup, "{:.3f}x"), format_cell(r.flops_saved, "{:.1f}%"),
               "inf" if math.isinf(r.psnr) else f"{r.psnr:.2f}", f"{r.ssim:.4f}", f"{r.latent_rel_l2:.4f}",
               format_cell(r.removed and 100 * r.removed, "{:.0f}%"), f"{r.cpu:.2f}", f"{r.wall:.2f}",
               f"{r.cpu_speedup:.3f}x", f"{r.cpu_spread[0]:.2f}-{r.cpu_spread[1]:.2f}", f"{r.wall_speedup:.3f}x"]
+             + [f"{r.regime_speedups[regime]:.3f}x" for regime in more]
              for r in rows]
     return format_table(head, lines)
 
@@ -410,6 +426,11 @@ def parse_args(argv):
     ap.add_argument("--hardware", default="h200",
                     help="the cost model's GPU profile for the speed axis (toma_bench.gpuclock; default h200); "
                          "'cpu': no cost model, the process CPU time is the axis")
+    ap.add_argument("--regimes", default="eager",
+                    help="comma list of the cost model's regimes (toma_bench.gpuclock.REGIMES: eager, graphs, "
+                         "compiled; default eager): the first is the speed axis, the others columns at the end")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of parts of variant labels: only those rows (and unpatched) run")
     ap.add_argument("--side", type=int, default=None, help="latent side (default: the proxy's training size)")
     ap.add_argument("--real", choices=list(costmodel.SPECS), default=None,
                     help="the real-size model of the speed axis (default: the proxy's family, "
@@ -440,14 +461,21 @@ def parse_args(argv):
             profile(args.hardware)
         except ValueError as e:
             ap.error(str(e))
+    args.regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    if not args.regimes or any(r not in REGIMES for r in args.regimes):
+        ap.error(f"--regimes: comma list of {', '.join(REGIMES)}, got {','.join(args.regimes) or 'none'}")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     return args
 
 
 def command_line(args) -> str:
     """The command that reproduces this run's numbers (every option that changes them)."""
     real = "" if args.real == REAL_SIZE[args.arch] else f" --real {args.real}"
+    regimes = "" if args.regimes == ["eager"] else f" --regimes {','.join(args.regimes)}"
+    variants = f" --variants '{','.join(args.variants)}'" if args.variants else ""
     return (f"python -m toma_bench.curves --arch {args.arch} --set {args.set} --side {args.side} --batch {args.batch} "
-            f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --hardware {args.hardware}{real}")
+            f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --hardware {args.hardware}"
+            f"{regimes}{real}{variants}")
 
 
 def main(argv=None) -> None:
@@ -476,6 +504,10 @@ def main(argv=None) -> None:
         variants = sdxl_placements(tn) if args.set == "placements" else unet_methods(tn, sdxl=True)
     else:
         variants = placements(tn) if args.set == "placements" else unet_methods(tn)
+    try:
+        variants = costmodel.select_variants(variants, args.variants)
+    except ValueError as e:
+        raise SystemExit(str(e))
     tokens = (args.side // (1 if kind == "sd15" else 2)) ** 2 * (spec.frames or 1)
     print(run.header("python -m toma_bench.curves", argv, "CPU",
                      f"ComfyUI {'current' if comfy_host.is_current_comfy() else 'March 2024'} ({root.name}), SDPA"),
@@ -492,9 +524,9 @@ def main(argv=None) -> None:
     if args.hardware != "cpu":
         gpu_clock(rows, pack, args, progress=lambda s: print(s, flush=True))
         spec_title = costmodel.SPECS[args.real].title
-        speed_axis = f"modelled {args.hardware} ({spec_title}, {args.steps} steps)"
+        speed_axis = f"modelled {args.hardware} ({spec_title}, {args.steps} steps, {args.regimes[0]})"
         print(f"\nspeed axis: {speed_axis}; toma_bench.costmodel")
-    print(table(rows, args.hardware), flush=True)
+    print(table(rows, args.hardware, tuple(args.regimes)), flush=True)
     if args.out:
         stem = Path(args.out) / f"curves_{args.arch}_{args.set}_{args.side}"
         plot(rows, stem.with_name(stem.name + ".png"), f"{args.arch} proxy, {args.batch} pictures of latent "
