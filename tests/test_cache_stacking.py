@@ -168,11 +168,11 @@ def without_options(patch):
 @pytest.mark.parametrize("order", ["toma-then-other", "other-then-toma"])
 def test_blocks_called_without_options_still_merge(pack, built, family, order, caplog):
     """Blocks called without transformer_options merge the same tokens as blocks called with them: scope
-    "block" gives the output of ToMA alone. Under scope "attention" Flux's double blocks, whose merged
-    attention the caller would drop, merge whole blocks instead (the output of scope "block"), and the log
-    says so once."""
+    "block" gives the output of ToMA alone. Under scope "attention" Flux's double blocks, and under scope
+    "keys/values" every block, whose attention override the caller would drop, merge whole blocks instead
+    (the output of scope "block"), and the log says so once per patched model."""
     row, base = model_of(pack, built, family)
-    for scope in ("block", "attention") if family == "flux" else ("block",):
+    for scope in ("block", "attention", "keys/values") if family == "flux" else ("block", "keys/values"):
         if order == "toma-then-other":
             patched, runtime = dit_checks.toma_patched(pack, base, scope=scope)
             stacked = options_dropped(patched)
@@ -184,4 +184,4 @@ def test_blocks_called_without_options_still_merge(pack, built, family, order, c
         assert summary["levels"] and not summary["unmerged"]
         assert torch.equal(out, sample(row, dit_checks.toma_patched(pack, base, scope="block")[0], steps=2))
     said = [r.getMessage() for r in caplog.records if "without transformer_options" in r.getMessage()]
-    assert len(said) == (1 if family == "flux" else 0)
+    assert len(said) == (2 if family == "flux" else 1)

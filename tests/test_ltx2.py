@@ -152,3 +152,31 @@ def test_two_stacked_nodes_the_nearer_merges(pack, model):
     (outer,) = node.patch(inner, 0.25, 4, 5)
     (alone,) = node.patch(model, 0.25, 4, 5)
     assert torch.equal(flat(denoise(pack, outer)), flat(denoise(pack, alone)))
+
+
+def test_keys_values_merges_only_the_video_self_attentions_keys(pack, model):
+    """Scope keys/values: every block runs on the full video; only the video self-attention's keys and
+    values come from merged tokens (queries whole), the audio and the cross-attentions untouched; every
+    token a destination reproduces the unpatched model, ratio 0.5 changes the video a little."""
+    seen = []
+
+    def record(func, q, k, v, heads, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1]))
+        return func(q, k, v, heads, *args, **kwargs)
+
+    counted = model.clone()
+    counted.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = record
+    denoise(pack, counted)
+    unpatched = list(seen)
+    exact, _ = dit_checks.toma_patched(pack, model, scope="keys/values", **EXACT)
+    dit_checks.check_merging_only_permutes(exact, model, lambda m: flat(denoise(pack, m, batch=2)))
+    patched, runtime = dit_checks.toma_patched(pack, counted, scope="keys/values")
+    seen.clear()
+    video, audio = denoise(pack, patched)
+    ref_video, ref_audio = denoise(pack, model)
+    tokens = 5 * H * W
+    assert [q for q, _ in seen] == [q for q, _ in unpatched]
+    changed = [(before, after) for (_, before), (_, after) in zip(unpatched, seen) if before != after]
+    assert changed and all(before == tokens and after < tokens for before, after in changed)
+    assert 0.0 < relative_l2(video, ref_video) < 0.25 and relative_l2(audio, ref_audio) < 0.1
+    assert list(runtime.summary()["levels"]) == [f"video 5x{H}x{W}"]

@@ -620,8 +620,9 @@ class DiTPatch:
         blocks where the node's scope merges inside their attention (``double``: a double block, which scope
         attention merges there): no attention override would reach it."""
         if not passed and ((self.attention_only and double) or self.keys_values):
-            self.runtime.notice("blocks are called without transformer_options (a cache node's own forward_orig), "
-                                "which would drop the attention override; they merge whole blocks (scope block)")
+            self.runtime.caveat("blocks are called without transformer_options (a cache node's own forward_orig), "
+                                "which would drop the attention override; they merge whole blocks (scope block)"
+                                + (", without proportional attention" if self.proportional else ""))
 
     def double_block(self, args: dict, extras: dict, block=None) -> dict:
         """Image stream [lead, image, extra] (B, N + E, C) merged; text stream (B, L, C) or None passes whole."""

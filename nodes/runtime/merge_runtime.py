@@ -75,8 +75,9 @@ class MergeRuntime:
             log.warning("ToMA: " + message, *args)
 
     def caveat(self, message: str) -> None:
-        """Log ``message`` once and keep it for every run's stats: something the node asks for that this
-        patched model does not do (said when patching)."""
+        """Log ``message`` once and keep it for every later run's stats: something the node asks for that this
+        patched model does not do (said when patching, or when a model call first meets it; a host-side
+        list, no tensor read)."""
         if message not in self.caveats:
             self.caveats.append(message)
             log.warning("ToMA: %s: %s", self.name, message)
