@@ -324,3 +324,38 @@ def test_keys_values_on_flux_keeps_every_query_and_stacks_an_override(pack, flux
     merged = 77 + runtime.summary()["levels"]["two-stream 14x20"]["merged_tokens"]
     assert lengths == [(77 + 280, 77 + 280)] + [(77 + 280, merged)] * 4
     assert patched.model_options["transformer_options"][OVERRIDE] is counting
+
+
+def test_keys_values_override_merges_each_grid_by_its_own_plan(pack):
+    """Two grids in one sequence (Qwen-Image-Edit: the image, then a reference image, each with a plan of its
+    own): each grid's keys are its destinations' rows and its values merged by its own plan; the text before
+    and the tokens between and after stay whole."""
+    from comfy.ldm.modules.attention import attention_pytorch
+    from toma_core.plan import plan_tiles
+
+    dit = pack.nodes.adapters.dit
+    B, H, D, txt, gap = 2, 2, 8, 3, 2
+    g = torch.Generator().manual_seed(4)
+    image = plan_tiles(torch.randn(B, 24, 16, generator=g), (4, 6), 4, 0.5, generator=g)
+    reference = plan_tiles(torch.randn(B, 16, 16, generator=g), (4, 4), 4, 0.75, generator=g)
+    spans = [(txt, 24, image), (txt + 24 + gap, 16, reference)]
+    L = txt + 24 + gap + 16 + 1
+    q, k, v = (torch.randn(B, L, H * D, generator=g) for _ in range(3))
+    func = getattr(attention_pytorch, "__wrapped__", attention_pytorch)
+    out = dit.MergedKeysValues(Clock(), spans, L, proportional=True)(func, q, k, v, H)
+
+    index, values, bias, cursor = [], [], [], 0
+    for begin, tokens, plan in spans:
+        index += [torch.arange(cursor, begin).expand(B, -1), plan.destination_tokens() + begin]
+        values += [v[:, cursor:begin], plan.merge(v[:, begin:begin + tokens])]
+        bias += [torch.zeros(B, begin - cursor), plan.log_mass]
+        cursor = begin + tokens
+    index += [torch.arange(cursor, L).expand(B, -1)]
+    values += [v[:, cursor:]]
+    bias += [torch.zeros(B, L - cursor)]
+    index, values, bias = torch.cat(index, 1), torch.cat(values, 1), torch.cat(bias, 1)
+    keys = torch.stack([k[b, index[b]] for b in range(B)])
+    heads = [t.view(B, t.shape[1], H, D).transpose(1, 2) for t in (q, keys, values)]
+    expected = reference_attention(*heads, bias).transpose(1, 2).reshape(B, L, H * D)
+    assert keys.shape[1] == L - (24 - image.num_merged) - (16 - reference.num_merged)
+    assert torch.allclose(out, expected, atol=1e-5)
