@@ -5,9 +5,8 @@ Both caches swap in their own copy of the diffusion model's ``forward_orig`` (or
 ``forward``) for the model call, and their copies call the blocks without ``transformer_options`` (Wan's
 hands them beside ``original_block``). The block patches then find the call's layout on the runtime,
 where the model-call wrapper stashed it (dit.LayoutStash). Where a cache replaces the diffusion model's
-``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video), that wrapper never runs: Lumina 2 and
-HiDream read the layout outside the diffusion model (DiTFamily.read_outside); on LTX-Video ToMA cannot
-find it, runs unmerged and says so (the run report's "no token layout").
+``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video), that wrapper never runs: those families
+read the layout outside the diffusion model too (DiTFamily.read_outside).
 
 The caches' code is read from mirrors of their repositories at test time (toma_bench/pack_source.py); the
 cases skip with the reason where there is none, or where the cache alone fails in this tree. A stand-in for
@@ -31,9 +30,6 @@ TEACACHE = {"flux": "flux", "wan": "wan2.1_t2v_1.3B", "hunyuan_video": "hunyuan_
             "hidream": "hidream_i1_dev", "ltxv": "ltxv"}
 MAGCACHE = {"flux": "flux", "wan": "wan2.1_t2v_1.3B", "hunyuan_video": "hunyuan_video", "chroma": "chroma",
             "qwen_image": "qwen_image", "hunyuan_video15": "hunyuan_video1.5"}
-# TeaCache replaces these diffusion models' forward; ToMA reads the layout outside them (read_outside),
-# except LTX-Video's, whose per-token timesteps the latent outside does not tell
-FORWARD_REPLACED = {"ltxv"}
 # what the caches keep on the diffusion model between calls (and, at times, between runs)
 CACHE_STATE = ("teacache_state", "magcache_state", "accumulated_err", "accumulated_ratio",
                "accumulated_rel_l1_distance", "accumulated_steps", "cnt", "previous_modulated_input",
@@ -104,10 +100,9 @@ CASES = [pytest.param(cache, family, order, id=f"{cache}-{family}-{order}")
 
 
 @pytest.mark.parametrize("cache, family, order", CASES)
-def test_toma_merges_under_the_cache(pack, caches, built, cache, family, order, caplog):
+def test_toma_merges_under_the_cache(pack, caches, built, cache, family, order):
     """ToMA merges the block calls the cache runs, whichever node comes first: its run report names the
-    merged groups and the output differs from the cache alone. Where
-    the cache replaces the diffusion model's forward, ToMA runs unmerged and says why."""
+    merged groups, nothing ran unmerged, and the output differs from the cache alone."""
     row, base = model_of(pack, built, family)
     try:
         alone = sample(row, apply_cache(caches, cache, base, family))
@@ -119,15 +114,10 @@ def test_toma_merges_under_the_cache(pack, caches, built, cache, family, order, 
     else:
         stacked, runtime = dit_checks.toma_patched(pack, apply_cache(caches, cache, base, family))
 
-    with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
-        out = sample(row, stacked)
+    out = sample(row, stacked)
     summary = runtime.summary()
 
     assert torch.isfinite(out).all()
-    if family in FORWARD_REPLACED and cache == "teacache":
-        assert not summary["levels"] and summary["unmerged"].get(pack.nodes.adapters.dit.NO_LAYOUT, 0) > 0
-        assert any("no token layout" in r.getMessage() for r in caplog.records)
-        return
     assert summary["levels"], "ToMA merged nothing under the cache"
     assert not summary["unmerged"]
     assert all(0 < level["steps"] <= STEPS and level["merged_tokens"] < level["tokens"]
@@ -185,3 +175,29 @@ def test_blocks_called_without_options_still_merge(pack, built, family, order, c
         assert torch.equal(out, sample(row, dit_checks.toma_patched(pack, base, scope="block")[0], steps=2))
     said = [r.getMessage() for r in caplog.records if "without transformer_options" in r.getMessage()]
     assert len(said) == (2 if family == "flux" else 1)
+
+
+# -- the layout read outside the diffusion model ------------------------------------------------------------
+@pytest.mark.parametrize("family, first_frame_kept", [("lumina2", False), ("hidream", False), ("ltxv", False),
+                                                      ("ltxv", True)])
+def test_the_layout_read_outside_is_the_one_read_inside(pack, built, family, first_frame_kept, monkeypatch):
+    """Where a family also reads its layout at BaseModel._apply_model (read_outside, for caches that replace
+    the diffusion model's forward), that layout is the one its model-call wrapper reads inside: on
+    LTX-Video with a noise mask too (image-to-video: per-token timesteps, the first frame kept whole)."""
+    row, base = model_of(pack, built, family)
+    family_of = getattr(pack.nodes.adapters.families, {"lumina2": "LUMINA", "hidream": "HIDREAM", "ltxv": "LTXV"}[family])
+    assert family_of.read_outside
+    read = []
+    layout = family_of.stash.layout
+    monkeypatch.setattr(family_of.stash, "layout", lambda self, call: read.append(layout(self, call)) or read[-1])
+    patched, _ = dit_checks.toma_patched(pack, base)
+    frame_axis = [5] if row.video else []
+    latent = torch.zeros(1, row.channels, *frame_axis, *row.sizes["odd"])
+    mask = None
+    if first_frame_kept:
+        mask = torch.ones(1, 1, *latent.shape[2:])
+        mask[:, :, 0] = 0
+    sampling.sample(patched, row.text(1, row.texts[0], 0), latent, steps=1, scheduler="simple", noise_mask=mask)
+    outside, inside = read  # one model call: the wrapper outside runs first
+    assert outside is not None and outside == inside
+    assert (inside.lead > 0) == first_frame_kept

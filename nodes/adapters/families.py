@@ -46,7 +46,8 @@ HUNYUAN_VIDEO = DiTFamily("HunyuanVideo", ("HunyuanVideo", "HunyuanVideo 1.5"), 
 LTXV = DiTFamily("LTX-Video", ("LTX-Video",), True, "comfy.ldm.lightricks.model:LTXVModel",
                  (BlockGroup("transformer_blocks", "double_block", VIDEO, "block"),),
                  ltxv.LTXVPatch, ltxv.LTXVLayoutStash, patch_size="patchifier.patch_size",
-                 placements=WITH_KEYS_VALUES, never_merged="text, keyframe guides, the image-to-video first frame")
+                 placements=WITH_KEYS_VALUES, never_merged="text, keyframe guides, the image-to-video first frame",
+                 read_outside=True)
 
 # LTX-2 (audio-video; an LTXVModel subclass, so its row comes before LTX-Video's): the video merges as
 # LTX-Video's; each merged block's video-to-audio attention is object-patched to see the full video.

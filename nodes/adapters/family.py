@@ -74,8 +74,8 @@ class DiTFamily:
     in words (the patch log line says them). unserved: diffusion model -> why it is not served, or None.
     read_outside: whether the stash also wraps ``BaseModel._apply_model`` (outside the diffusion model;
     the wrapper inside overrides it where it runs), for nodes that replace the diffusion model's
-    ``forward`` itself (TeaCache on Lumina 2 and HiDream): a family whose layout the latent and the extra
-    conds tell there."""
+    ``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video): a family whose layout the latent and
+    the extra conds tell there."""
 
     name: str
     names: tuple[str, ...]

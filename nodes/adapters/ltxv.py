@@ -76,7 +76,10 @@ class LTXVLayoutStash(LayoutStash):
         if extra % (h * w):  # guides are whole latent frames of the video's size (LTXVAddGuide)
             return None
         frames -= extra // (h * w)
-        lead = h * w if per_token(call.get("timestep")) else 0
+        # outside the diffusion model (DiTFamily.read_outside) the call has the sigma instead; its per-token
+        # timesteps are then made from the denoise mask (LTXV.process_timestep)
+        timestep = call.get("timestep")
+        lead = h * w if per_token(timestep) or (timestep is None and torch.is_tensor(call.get("denoise_mask"))) else 0
         frames -= lead // (h * w)
         return ImageLayout(h, w, extra, frames, lead) if frames > 0 else None
 
