@@ -17,6 +17,8 @@ and the log and the stats say so.
 import logging
 from dataclasses import dataclass
 
+from ..toma_core import ShortRun
+
 log = logging.getLogger("ComfyUI-ToMA")
 
 AUTO = "auto"
@@ -59,9 +61,12 @@ class Preset:
     and the fidelity fixes that go with it, chosen from the speed-vs-fidelity fronts on the GPU clock
     (docs/benchmarks.md, "The defaults, and why", names the row each one came from). ``levels``,
     ``weights_interval``, ``start_percent`` and ``merge_every`` are the basic node's; the Advanced node
-    shows them as inputs of its own. ``window_size`` is what the window input's 0 ("auto") means on both nodes."""
+    shows them as inputs of its own. ``short_run``: how both nodes' schedule changes in runs of few steps
+    (distilled models; None: it does not). ``ratio`` and ``window_size`` are what the ratio's -1 and the window's
+    0 ("auto", the inputs' defaults) mean on both nodes."""
 
     scope: str
+    ratio: float = 0.75
     plan_per_block: bool = False
     shared_destinations: bool = False
     proportional: bool = False
@@ -70,6 +75,7 @@ class Preset:
     start_percent: float = 0.0
     merge_every: int = 1
     window_size: int = 4  # what the node's window_size 0 ("auto") means
+    short_run: ShortRun | None = None
 
 
 KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image DiTs", "video": "video DiTs"}
@@ -87,7 +93,7 @@ PRESETS = {
     "sdxl": Preset(ATTENTION, levels="auto+next", start_percent=0.15),
     # whole blocks, the first 40% of the schedule unmerged: on FLUX.1-dev 1.50x on the H200 clock at ratio
     # 0.75, and 2.6 dB more on the 32x32-token Flux proxy than whole blocks from the first step at 0.5 (1.60x)
-    "dit": Preset(BLOCK, start_percent=0.4),
+    "dit": Preset(BLOCK, start_percent=0.4, short_run=ShortRun(8, reuse_interval=1)),
     # whole blocks on one step in 2: at ratio 0.75 on Wan 2.1 14B 720p 1.64x on the H200 clock, with 3.4 dB
     # more on the 32x32-token Wan proxy than whole blocks on every step at 0.5 (2.50x); docs/benchmarks.md
     # says what a faster setting costs
@@ -95,12 +101,13 @@ PRESETS = {
 }
 
 
-def windows_in_words() -> list[tuple[int, str]]:
-    """(window, "SD1.x/SD2.x UNets, ...") for each window the presets use, for the window's tooltip."""
-    windows = {}
+def values_in_words(name: str) -> list[tuple[object, str]]:
+    """(value, "SD1.x/SD2.x UNets, ...") for each value of the presets' field ``name`` ("window_size",
+    "ratio"), for the inputs' tooltips."""
+    values = {}
     for kind, preset in PRESETS.items():
-        windows.setdefault(preset.window_size, []).append(KIND_NAMES[kind])
-    return [(w, " and ".join(names) if len(names) < 3 else ", ".join(names)) for w, names in sorted(windows.items())]
+        values.setdefault(getattr(preset, name), []).append(KIND_NAMES[kind])
+    return [(v, " and ".join(names) if len(names) < 3 else ", ".join(names)) for v, names in sorted(values.items())]
 
 
 def auto_in_words() -> str:

@@ -20,7 +20,8 @@ log = logging.getLogger("ComfyUI-ToMA")
 CATEGORY = "model_patches/token_merging"
 
 # Defaults chosen from the speed-vs-fidelity curves on the trained proxies (docs/benchmarks.md, "The defaults, and why").
-DEFAULT_RATIO = 0.75  # with each kind's preset (placement.PRESETS): docs/benchmarks.md, "The defaults, and why"
+AUTO_RATIO = -1.0  # the ratio input's "auto": the model kind's ratio (placement.PRESETS)
+DEFAULT_RATIO = AUTO_RATIO
 DEFAULT_WINDOW = 0  # auto: the model kind's window (placement.PRESETS)
 DEFAULT_REUSE = 5
 DEFAULT_TEMPORAL_WINDOW = 2  # docs/benchmarks.md, "Windows over video frames"
@@ -84,18 +85,28 @@ def _int(default, low, high, tooltip):
 
 
 MODEL_INPUT = ("MODEL", {"tooltip": "The diffusion model to patch. It is cloned; the input stays unchanged."})
-RATIO_INPUT = _float(DEFAULT_RATIO, 0.0, 0.9, 0.05,
+RATIO_INPUT = _float(DEFAULT_RATIO, AUTO_RATIO, 0.9, 0.05,
                      "Fraction of image tokens removed before attention. 0 = off (output identical to the "
-                     "unpatched model); the default 0.75 goes with each model kind's placement (README: "
-                     "Defaults per kind of model); higher saves more and costs more of the picture.")
+                     "unpatched model); -1 = auto, the default: the ratio that goes with the model kind's "
+                     "placement (" + ", ".join(f"{r:g} on {kinds}" for r, kinds in placement.values_in_words("ratio"))
+                     + "; README: Defaults per kind of model); higher saves more and costs more of the picture.")
 WINDOW_INPUT = _int(DEFAULT_WINDOW, 0, 32,
                     "Side, in tokens, of the local square window inside which destinations are chosen and "
                     "tokens merged. Small windows keep merges local and selection cheap. 0 = auto: the "
-                    "model's default (" + ", ".join(f"{w} on {kinds}" for w, kinds in placement.windows_in_words())
+                    "model's default (" + ", ".join(f"{w} on {kinds}" for w, kinds in placement.values_in_words("window_size"))
                     + ").")
 REUSE_INPUT = _int(DEFAULT_REUSE, 1, 100,
                    "Steps between destination recomputations; in between, the destinations are reused "
                    "(pattern reuse).")
+
+
+def ratio_of(ratio: float, preset: placement.Preset) -> float:
+    """The ratio input's value: -1 (auto) is the preset's ratio; other values below 0 are refused."""
+    if ratio == AUTO_RATIO:
+        return preset.ratio
+    if ratio < 0:
+        raise ValueError(f"ratio must be -1 (auto: the model kind's ratio) or between 0 and 0.9, got {ratio}")
+    return ratio
 
 
 class ModelPatchNode:
@@ -210,14 +221,18 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                      merge_every=merge_every, plan_per_block=plan_per_block,
                      proportional_attention=proportional_attention, shared_destinations=shared_destinations)
         preset = preset_of(model)
+        ratio = ratio_of(ratio, preset)
         if window_size == 0:
             window_size = preset.window_size
+        short_run = None
         if scope == placement.AUTO:
             scope = preset.scope
+            short_run = preset.short_run
             plan_per_block = plan_per_block or preset.plan_per_block
             shared_destinations = shared_destinations or preset.shared_destinations
             proportional_attention = proportional_attention or preset.proportional
-        schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every))
+        schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every),
+                                 short_run)
         strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge,
                                                 temporal_window=int(temporal_window), shares_plans=not plan_per_block,
                                                 shares_destinations=plan_per_block and shared_destinations,

@@ -48,7 +48,7 @@ def test_prepared_kit_runs_the_benchmark_dry_on_the_cpu(tmp_path):
     assert all(r["merge_percent"] is not None for r in sdxl[1:])
     counted = {s["variant"] for s in results["syncs"] if s["model"] == "sdxl"}
     assert {"ToMA r=0.5 auto attention (the earlier default)", "ToMeSD r=0.5 (1/2 level)",
-            "ToMA node default (r=0.75, SDXL preset)"} <= counted
+            "ToMA node default (r=auto, SDXL preset)"} <= counted
     assert all(s["model_calls"] >= 2 for s in results["syncs"])
     if has_flux:
         flux = results["models"]["flux"]["rows"]
@@ -63,7 +63,7 @@ def test_prepared_kit_runs_the_benchmark_dry_on_the_cpu(tmp_path):
     assert output.index("[costmodel] sdxl: unpatched recorded") < output.index("[gpu] sdxl: repeat 1/")
     # the profiler pass (unpatched and the node's default) and the fit on the unpatched run
     profiled = results["profiles"]["sdxl"]
-    assert set(profiled) == {"unpatched", "ToMA node default (r=0.75, SDXL preset)"}
+    assert set(profiled) == {"unpatched", "ToMA node default (r=auto, SDXL preset)"}
     assert all(p["kernels_per_call"] > 0 and p["device_ms_per_step"] for p in profiled.values())
     fit = results["fits"]["sdxl"]
     assert set(fit["rows"]) == {r["variant"] for r in sdxl} and fit["parameters"]["host_us_per_kernel"] > 0

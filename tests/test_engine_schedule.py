@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from toma_core import CAToMe, ReuseSchedule, RunClock, StepDecision, ToMA, ToMeSD, step_from_sigmas
+from toma_core import CAToMe, ReuseSchedule, RunClock, ShortRun, StepDecision, ToMA, ToMeSD, step_from_sigmas
 
 
 def karras(n: int, sigma_min: float = 0.0292, sigma_max: float = 14.6146, rho: float = 7.0) -> list[float]:
@@ -107,6 +107,49 @@ def test_merge_every_keeps_counting_reuse_in_steps():
     assert [s for s, d in got.items() if d.merge] == [0, 3, 6, 9]
     assert [s for s, d in got.items() if d.new_destinations] == [0, 6]
     assert got[3] == got[9] == StepDecision(True, False, False)
+
+
+def decisions(sched: ReuseSchedule, total: int | None, steps: int) -> list[StepDecision]:
+    sched.reset()
+    return [sched.decide(s, s / steps, "g", total) for s in range(steps)]
+
+
+def test_a_short_run_follows_the_short_run_settings():
+    """From 40%, one step in 2, destinations reused 5 steps; in runs of at most 8 steps: every step from
+    the first, a new plan every step."""
+    short = ShortRun(8, start_percent=0.0, merge_every=1, reuse_interval=1)
+    sched = ReuseSchedule(start_percent=0.4, reuse_interval=5, merge_every=2, short_run=short)
+    for total in (4, 8):
+        assert decisions(sched, total, total) == [StepDecision(True, True, True)] * total
+    plain = ReuseSchedule(start_percent=0.4, reuse_interval=5, merge_every=2)
+    for total, steps in ((9, 9), (20, 20), (None, 4)):  # longer runs, and runs of unknown length, keep theirs
+        assert decisions(sched, total, steps) == decisions(plain, total, steps)
+    assert [s for s, d in enumerate(decisions(sched, 9, 9)) if d.merge] == [4, 6, 8]
+
+
+def test_a_short_run_keeps_what_it_does_not_name():
+    sched = ReuseSchedule(start_percent=0.25, reuse_interval=5, weights_interval=1,
+                          short_run=ShortRun(8, reuse_interval=2))
+    got = decisions(sched, 8, 8)
+    assert [s for s, d in enumerate(got) if d.merge] == [2, 3, 4, 5, 6, 7]  # from 25%, as in longer runs
+    assert [s for s, d in enumerate(got) if d.new_destinations] == [2, 4, 6]
+    assert all(d.new_weights for d in got if d.merge)
+    assert sched.timing(20).reuse_interval == 5 and sched.timing(8).reuse_interval == 2
+
+
+def test_short_run_in_words():
+    assert ShortRun(8, start_percent=0.0, merge_every=1, reuse_interval=1).in_words() == (
+        "from 0% of the schedule, on every step, plans reused for at most 1 step")
+    assert ShortRun(8, reuse_interval=2).in_words() == "plans reused for at most 2 steps"
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"steps": 0}, "steps"), ({"start_percent": 1.2}, "start_percent"), ({"merge_every": 0}, "merge_every"),
+    ({"reuse_interval": 1.5}, "reuse_interval"),
+])
+def test_invalid_short_run_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ShortRun(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs,name", [

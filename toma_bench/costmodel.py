@@ -244,7 +244,7 @@ def variants_for(name: str, pack) -> list[Variant]:
     basic, advanced = tn.ToMAPatchModel(), tn.ToMAPatchModelAdvanced()
     w, reuse = 4, tn.DEFAULT_REUSE  # every row but the node default's names window 4
     out = [Variant("unpatched", patch=lambda m: m),
-           Variant(f"ToMA default (r={tn.DEFAULT_RATIO:g})",
+           Variant("ToMA default (r=auto)",
                    patch=lambda m: basic.patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, reuse)[0])]
     if name in UNET_MODELS:
         for scope, levels, r in (("attention", "auto", 0.75), ("block", "auto", 0.5), ("block", "auto+next", 0.5),

@@ -1,9 +1,9 @@
 """Speed-vs-fidelity curves on the trained proxies: each method's knob swept, compared at equal speed.
 
     python -m toma_bench.curves [--arch sd15|sdxl|flux|flux32|wan|wan32] [--set methods|toma|placements|front|fewsteps]
-                                [--side N] [--batch 4] [--steps 20] [--repeats 5] [--threads 1]
-                                [--hardware h200|...|cpu] [--regimes eager,graphs,compiled] [--variants PART,...]
-                                [--real MODEL] [--out DIR]
+                                [--setting NAME=VALUE,... ...] [--side N] [--frames N] [--batch 4] [--steps 20]
+                                [--repeats 5] [--threads 1] [--hardware h200|...|cpu] [--regimes eager,graphs,compiled]
+                                [--variants PART,...] [--real MODEL] [--out DIR]
 
 The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x- or SDXL-layout UNet, Flux DiT or
 Wan video DiT, trained here on photographs; flux32 and wan32 on 32x32-token grids), so a merge that
@@ -70,11 +70,12 @@ def toma(tn, family: str, setting: str, ratio: float, **inputs) -> Variant:
     return Variant(family, setting, lambda m: node.patch(m, ratio, **inputs)[0])
 
 
-def node_default(tn, ratio: float) -> Variant:
-    """The basic ToMA node with its default inputs but ``ratio``: what the model's kind gets by default
-    (nodes/placement.PRESETS)."""
-    return Variant("ToMA node default", f"r={ratio:g}",
-                   lambda m: tn.ToMAPatchModel().patch(m, ratio, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0])
+def node_default(tn, ratio: float | None) -> Variant:
+    """The basic ToMA node with its default inputs but ``ratio`` (None: its default too, the model kind's
+    ratio): what the model's kind gets by default (nodes/placement.PRESETS)."""
+    return Variant("ToMA node default", "r=auto" if ratio is None else f"r={ratio:g}",
+                   lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO if ratio is None else ratio,
+                                                       tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0])
 
 
 RATIOS = (0.25, 0.5, 0.75)
@@ -222,6 +223,48 @@ def dit_front(tn, video: bool) -> list[Variant]:
     return out
 
 
+def setting_values(tn, text: str) -> dict:
+    """``--setting``'s "ratio=0.75,scope=block,start_percent=0.3" -> the Advanced node's inputs, each
+    converted to its input's type (INT, FLOAT, BOOLEAN true/false, or one of a combo's choices) and
+    checked by the node itself when it patches."""
+    spec = tn.ToMAPatchModelAdvanced.INPUT_TYPES()
+    inputs = {**spec["required"], **spec["optional"]}
+    values = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or name not in inputs or name == "model":
+            raise ValueError(f"--setting takes name=value pairs of the Advanced node's inputs "
+                             f"({', '.join(n for n in inputs if n != 'model')}), got {item!r}")
+        kind = inputs[name][0]
+        if kind == "BOOLEAN":
+            if value not in ("true", "false"):
+                raise ValueError(f"--setting: {name} is true or false, got {value!r}")
+            values[name] = value == "true"
+        elif kind in ("INT", "FLOAT"):
+            try:
+                values[name] = int(value) if kind == "INT" else float(value)
+            except ValueError:
+                raise ValueError(f"--setting: {name} is {'an integer' if kind == 'INT' else 'a number'}, "
+                                 f"got {value!r}") from None
+        else:
+            values[name] = value
+    if "ratio" not in values:
+        raise ValueError(f"--setting needs a ratio, got {text!r}")
+    return values
+
+
+def named_settings(tn, texts: list[str]) -> list[Variant]:
+    """The unpatched model, the basic node at its defaults, and each ``--setting``: the Advanced node with
+    those inputs (window 4 and scope attention where not named, as every other ToMA row: ``toma``)."""
+    out = [Variant("unpatched", "", lambda m: m), node_default(tn, None)]
+    for text in texts:
+        values = setting_values(tn, text)
+        ratio = values.pop("ratio")
+        words = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
+        out.append(toma(tn, f"ToMA {words}".rstrip(), f"r={ratio:g}", ratio, **values))
+    return out
+
+
 def few_steps(tn) -> list[Variant]:
     """For distilled few-step models (Z-Image-Turbo: 8 steps): what start_percent and reuse_interval mean
     when a run has few steps, at ratios 0.5 and 0.75, whole blocks."""
@@ -264,7 +307,8 @@ class Run:
 
 def sample_once(model, args) -> Run:
     with sampling.seeded_global_rngs(SEED):  # ComfyUI's TomePatchModel draws from the global RNGs
-        latent, wall, cpu = run.timed(lambda: proxy.sample(model, SEED, args.batch, args.steps, side=args.side))
+        latent, wall, cpu = run.timed(lambda: proxy.sample(model, SEED, args.batch, args.steps, side=args.side,
+                                                           frames=args.frames))
     return Run(latent.float(), wall, cpu)
 
 
@@ -393,12 +437,13 @@ def plot(rows: list[Row], path: Path, title: str, speed_axis: str) -> None:
     plt.close(fig)
 
 
-def sample_grid(rows: list[Row], pictures: list[torch.Tensor], path: Path, columns: int = 4) -> None:
-    """One row per variant at ratio 0.5 (and the unpatched run, and CA-ToMe at 0.7): its first
-    ``columns`` pictures, labelled."""
+def sample_grid(rows: list[Row], pictures: list[torch.Tensor], path: Path, columns: int = 4,
+                every_row: bool = False) -> None:
+    """One row per variant at ratio 0.5 (and the unpatched run, and CA-ToMe at 0.7), or per variant
+    (``every_row``): its first ``columns`` pictures, labelled."""
     from PIL import Image, ImageDraw
 
-    keep = [i for i, r in enumerate(rows) if r.variant.setting in ("", "r=0.5", "t=0.7")]
+    keep = [i for i, r in enumerate(rows) if every_row or r.variant.setting in ("", "r=0.5", "t=0.7")]
     zoom, label_w = 2, 190
     h, w = pictures[0].shape[1:3]
     canvas = Image.new("RGB", (label_w + columns * (w * zoom + 2), len(keep) * (h * zoom + 2)), "white")
@@ -432,6 +477,12 @@ def parse_args(argv):
     ap.add_argument("--variants", default=None,
                     help="comma list of parts of variant labels: only those rows (and unpatched) run")
     ap.add_argument("--side", type=int, default=None, help="latent side (default: the proxy's training size)")
+    ap.add_argument("--frames", type=int, default=None,
+                    help="latent frames of a clip (video proxies; default: the proxy's training clips')")
+    ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE,...",
+                    help="a ToMA row of the Advanced node's inputs, e.g. ratio=0.75,scope=block,start_percent=0.3 "
+                         "(repeatable; window 4 and scope attention unless named); with --setting the rows are "
+                         "the unpatched model, the basic node at its defaults and these, and --set is ignored")
     ap.add_argument("--real", choices=list(costmodel.SPECS), default=None,
                     help="the real-size model of the speed axis (default: the proxy's family, "
                          + ", ".join(f"{a} {m}" for a, m in REAL_SIZE.items()) + ")")
@@ -446,7 +497,9 @@ def parse_args(argv):
     spec = proxy.spec_of(args.arch)
     args.side = spec.side if args.side is None else args.side
     args.real = args.real or REAL_SIZE[args.arch]
-    for name in ("side", "batch", "steps", "threads"):
+    if args.frames is not None and not spec.frames:
+        ap.error(f"--frames is for the video proxies, not {args.arch}")
+    for name in ("side", "batch", "steps", "threads") + (("frames",) if args.frames is not None else ()):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.repeats < 0:
@@ -473,7 +526,9 @@ def command_line(args) -> str:
     real = "" if args.real == REAL_SIZE[args.arch] else f" --real {args.real}"
     regimes = "" if args.regimes == ["eager"] else f" --regimes {','.join(args.regimes)}"
     variants = f" --variants '{','.join(args.variants)}'" if args.variants else ""
-    return (f"python -m toma_bench.curves --arch {args.arch} --set {args.set} --side {args.side} --batch {args.batch} "
+    frames = "" if args.frames is None else f" --frames {args.frames}"
+    rows = "".join(f" --setting {v}" for v in args.setting) if args.setting else f" --set {args.set}"
+    return (f"python -m toma_bench.curves --arch {args.arch}{rows} --side {args.side}{frames} --batch {args.batch} "
             f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --hardware {args.hardware}"
             f"{regimes}{real}{variants}")
 
@@ -490,7 +545,9 @@ def main(argv=None) -> None:
     path = Path(args.proxy or proxy.PROXY_DIR / spec.file)
     base = proxy.load(path)
     kind = spec.model_kind
-    if args.set == "toma":
+    if args.setting:
+        variants = named_settings(tn, args.setting)
+    elif args.set == "toma":
         variants = toma_settings(tn, args.arch)
     elif args.set == "front":
         variants = dit_front(tn, video=kind == "wan")
@@ -508,13 +565,14 @@ def main(argv=None) -> None:
         variants = costmodel.select_variants(variants, args.variants)
     except ValueError as e:
         raise SystemExit(str(e))
-    tokens = (args.side // (1 if kind == "sd15" else 2)) ** 2 * (spec.frames or 1)
+    frames = args.frames or spec.frames
+    tokens = (args.side // (1 if kind == "sd15" else 2)) ** 2 * (frames or 1)
     print(run.header("python -m toma_bench.curves", argv, "CPU",
                      f"ComfyUI {'current' if comfy_host.is_current_comfy() else 'March 2024'} ({root.name}), SDPA"),
           flush=True)
     print(f"command: {command_line(args)}")
     print(f"{args.arch} proxy {path.name}; {args.batch} {'clips' if spec.frames else 'pictures'} of latent "
-          f"{args.side}x{args.side}{f'x{spec.frames} frames' if spec.frames else ''} ({tokens} image "
+          f"{args.side}x{args.side}{f'x{frames} frames' if frames else ''} ({tokens} image "
           f"tokens at full resolution), euler/{spec.scheduler} {args.steps} steps, cfg 1, seed {SEED}; "
           f"{len(variants)} variants, {args.repeats} timed rounds", flush=True)
     with torch.inference_mode():
@@ -528,11 +586,12 @@ def main(argv=None) -> None:
         print(f"\nspeed axis: {speed_axis}; toma_bench.costmodel")
     print(table(rows, args.hardware, tuple(args.regimes)), flush=True)
     if args.out:
-        stem = Path(args.out) / f"curves_{args.arch}_{args.set}_{args.side}"
+        name = "settings" if args.setting else args.set
+        stem = Path(args.out) / f"curves_{args.arch}_{name}_{args.side}{'' if args.frames is None else f'x{args.frames}'}"
         plot(rows, stem.with_name(stem.name + ".png"), f"{args.arch} proxy, {args.batch} pictures of latent "
              f"{args.side}x{args.side}, {args.steps} steps, {args.threads} thread(s): {command_line(args)}",
              speed_axis)
-        sample_grid(rows, pictures, stem.with_name(stem.name + "_samples.png"))
+        sample_grid(rows, pictures, stem.with_name(stem.name + "_samples.png"), every_row=bool(args.setting))
         print(f"\nplot: {stem}.png; pictures: {stem}_samples.png")
 
 

@@ -12,7 +12,7 @@ from .baselines import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, BipartitePlan, C
                         catome_plan, tomesd_plan)
 from .groups import bipartite_groups, merge_groups, toma_groups
 from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, TokenPlan, destinations_per_tile, plan_tiles
-from .schedule import EveryCall, ReuseSchedule, RunClock, StepDecision, step_from_sigmas
+from .schedule import EveryCall, ReuseSchedule, RunClock, ShortRun, StepDecision, step_from_sigmas
 from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
 from .strategies import CAToMe, ToMA, ToMeSD
 from .tiles import TileGrid, tile_tokens, token_grid, untile_tokens
@@ -22,7 +22,7 @@ __all__ = [
     "catome_plan", "tomesd_plan",
     "bipartite_groups", "merge_groups", "toma_groups",
     "DEFAULT_TAU", "IdentityPlan", "MergePlan", "TokenPlan", "destinations_per_tile", "plan_tiles",
-    "EveryCall", "ReuseSchedule", "RunClock", "StepDecision", "step_from_sigmas",
+    "EveryCall", "ReuseSchedule", "RunClock", "ShortRun", "StepDecision", "step_from_sigmas",
     "CAToMe", "ToMA", "ToMeSD",
     "cosine_similarity", "facility_location", "select_destinations", "stochastic_facility_location",
     "TileGrid", "tile_tokens", "token_grid", "untile_tokens",

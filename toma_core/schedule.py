@@ -28,19 +28,63 @@ class StepDecision:
     new_weights: bool
 
 
+@dataclass(frozen=True)
+class ShortRun:
+    """What a schedule does instead in a run of at most ``steps`` steps (distilled models sample in 4 to 8,
+    where a plan kept for 5 steps spans most of the run and a step left unmerged is an eighth of it):
+    ``start_percent``, ``merge_every`` and ``reuse_interval`` replace the schedule's own (None keeps it)."""
+
+    steps: int = 8
+    start_percent: float | None = None
+    merge_every: int | None = None
+    reuse_interval: int | None = None
+
+    def __post_init__(self):
+        _check_interval("steps", self.steps)
+        if self.start_percent is not None:
+            _check_fraction("start_percent", self.start_percent)
+        for name in ("merge_every", "reuse_interval"):
+            if getattr(self, name) is not None:
+                _check_interval(name, getattr(self, name))
+
+    def in_words(self) -> str:
+        """"from 0% of the schedule, on every step, plans reused for at most 1 step"."""
+        parts = []
+        if self.start_percent is not None:
+            parts.append(f"from {self.start_percent:.0%} of the schedule")
+        if self.merge_every is not None:
+            parts.append("on every step" if self.merge_every == 1 else f"on one step in {self.merge_every}")
+        if self.reuse_interval is not None:
+            parts.append(f"plans reused for at most {self.reuse_interval} step{'s' if self.reuse_interval > 1 else ''}")
+        return ", ".join(parts) or "as in longer runs"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The settings a run's decisions follow (``ReuseSchedule.timing``)."""
+
+    start_percent: float
+    merge_every: int
+    reuse_interval: int
+    weights_interval: int
+
+
 @dataclass
 class ReuseSchedule:
     """Per block group: merge inside [start_percent, end_percent) of the schedule, on every
     ``merge_every``-th step (steps 0, k, 2k, ...; the others run unmerged, as the official Flux run merges
     every 3rd step); recompute destinations every ``reuse_interval`` steps and the merge weights every
     ``weights_interval`` steps (in between, reuse the last ones). A group is any hashable, e.g. (resolution level, batch layout); the first block of a
-    group in a step gets the recompute decision, later blocks of that step reuse its plan."""
+    group in a step gets the recompute decision, later blocks of that step reuse its plan. ``short_run``:
+    what changes in a run whose step count (``total``, where the host gives the run's schedule) is at most
+    its ``steps``."""
 
     start_percent: float = 0.0
     end_percent: float = 1.0
     reuse_interval: int = 5
     weights_interval: int = 1
     merge_every: int = 1
+    short_run: ShortRun | None = None
     _last: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -56,18 +100,35 @@ class ReuseSchedule:
         """Forget every group's plan history; called at the start of each sampling run."""
         self._last.clear()
 
-    def in_window(self, progress: float) -> bool:
-        """progress: fraction of the schedule done at this step, in [0, 1)."""
-        return self.start_percent <= progress and (progress < self.end_percent or self.end_percent >= 1.0)
+    def is_short(self, total: int | None) -> bool:
+        """Whether a run of ``total`` steps (None: unknown) follows ``short_run``."""
+        return self.short_run is not None and total is not None and total <= self.short_run.steps
+
+    def timing(self, total: int | None = None) -> Timing:
+        """The settings of a run of ``total`` steps: the schedule's own, or the short run's where it applies."""
+        if not self.is_short(total):
+            return Timing(self.start_percent, self.merge_every, self.reuse_interval, self.weights_interval)
+        short = self.short_run
+        start = self.start_percent if short.start_percent is None else short.start_percent
+        every = self.merge_every if short.merge_every is None else short.merge_every
+        reuse = self.reuse_interval if short.reuse_interval is None else short.reuse_interval
+        return Timing(start, every, reuse, self.weights_interval)
+
+    def in_window(self, progress: float, start_percent: float | None = None) -> bool:
+        """progress: fraction of the schedule done at this step, in [0, 1); ``start_percent``: the run's
+        (``timing``), default the schedule's own."""
+        start = self.start_percent if start_percent is None else start_percent
+        return start <= progress and (progress < self.end_percent or self.end_percent >= 1.0)
 
     def decide(self, step: int, progress: float, group: Hashable, total: int | None = None) -> StepDecision:
-        if not self.in_window(progress) or step % self.merge_every:
+        timing = self.timing(total)
+        if not self.in_window(progress, timing.start_percent) or step % timing.merge_every:
             return StepDecision(False, False, False)
         last = self._last.get(group)
-        if last is None or step < last[0] or step - last[0] >= self.reuse_interval:
+        if last is None or step < last[0] or step - last[0] >= timing.reuse_interval:
             self._last[group] = (step, step)
             return StepDecision(True, True, True)
-        if step - last[1] >= self.weights_interval:
+        if step - last[1] >= timing.weights_interval:
             self._last[group] = (last[0], step)
             return StepDecision(True, False, True)
         return StepDecision(True, False, False)

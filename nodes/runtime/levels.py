@@ -86,7 +86,8 @@ class RunReport:
     """What a runtime knows of its current (or last) run.
 
     method: the strategy's name. steps: the run's step count where the host gave its schedule (None
-    otherwise); schedule: its sigmas. levels: the merged levels' stats. plans: the cached plans by key.
+    otherwise); schedule: its sigmas; short_run: how the schedule adapted to a run that short, in words
+    (None: it did not). levels: the merged levels' stats. plans: the cached plans by key.
     shared_destinations: (level, rows) -> the destinations the level's blocks share this step.
     left_to: levels another node took. nothing_merges: why nothing merges, in words. failed: the plans
     that could not be built (their blocks run unmerged). unmerged: reason -> block calls that ran unmerged
@@ -97,6 +98,7 @@ class RunReport:
     method: str
     steps: int | None
     schedule: tuple | None
+    short_run: str | None
     levels: dict
     plans: dict
     shared_destinations: dict
@@ -118,6 +120,7 @@ class RunReport:
                                      **level.fields()}
                        for level, s in self.levels.items()},
             "nothing_merges": list(self.nothing_merges),
+            "short_run": self.short_run,
             "left_to": {level.label: left._asdict() for level, left in self.left_to.items()},
             "unmerged": dict(self.unmerged),
             "seconds": self.seconds,

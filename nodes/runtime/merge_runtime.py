@@ -46,6 +46,7 @@ class MergeRuntime:
         self._left_to: dict[Level, LeftTo] = {}  # levels another node took (leave)
         self._unmerged: dict[str, int] = {}  # reason -> block calls this run left unmerged (unmerged)
         self._run_started = None
+        self._short_run = None  # how this run's schedule adapted to its few steps, in words
         self._in_run = False  # begin_run seen, end_run not yet
         self._unreported = False  # the model ran since the last end_run
 
@@ -91,6 +92,9 @@ class MergeRuntime:
         self.stages.reset()
         self.strategy.schedule.reset()
         self.steps.begin(schedule, model_sampling)
+        self._short_run = self.short_run_in_words(self.steps.total)
+        if self._short_run is not None:
+            self.notice("%s: %s", self.name, self._short_run)
         self._in_run = True
         self._run_started = time.perf_counter()
 
@@ -120,6 +124,15 @@ class MergeRuntime:
             return executor(*args, **kwargs)
         finally:
             self.end_run()
+
+    def short_run_in_words(self, total: int | None) -> str | None:
+        """How the strategy's schedule adapts to a run of ``total`` steps (its ``short_run``), in words;
+        None where it does not."""
+        schedule = self.strategy.schedule
+        if not getattr(schedule, "is_short", lambda total: False)(total):
+            return None
+        return (f"a {total}-step run (at most {schedule.short_run.steps}) merges "
+                f"{schedule.short_run.in_words()}")
 
     def locate(self, transformer_options) -> Where | None:
         """Where the current model call is in its run, from the sampler's sigmas (a call outside any
@@ -236,7 +249,7 @@ class MergeRuntime:
         waits for the device)."""
         wall = None if self._run_started is None else time.perf_counter() - self._run_started
         return RunReport(
-            method=self.name, steps=self.steps.total, schedule=self.steps.schedule,
+            method=self.name, steps=self.steps.total, schedule=self.steps.schedule, short_run=self._short_run,
             levels={level: LevelStats(s.tokens, s.merged_tokens, set(s.steps), list(s.records))
                     for level, s in self._levels.items()},
             plans=dict(self._plans), shared_destinations={k: v[1] for k, v in self._shared.items()},
