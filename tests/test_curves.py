@@ -98,6 +98,37 @@ def test_cli_refuses_sets_the_proxy_cannot_run(argv, bad, capsys):
     assert bad in capsys.readouterr().err
 
 
+def test_setting_rows_are_the_advanced_nodes_inputs(pack):
+    """--setting: the Advanced node's inputs by name, typed by the node's own input types; the rows are the
+    unpatched model, the basic node at its defaults (the kind's ratio) and each setting."""
+    tn = pack.nodes.toma_nodes
+    text = "ratio=0.85,scope=keys/values,plan_per_block=true,start_percent=0.2,merge_every=2"
+    assert curves.setting_values(tn, text) == {"ratio": 0.85, "scope": "keys/values", "plan_per_block": True,
+                                               "start_percent": 0.2, "merge_every": 2}
+    labels = [v.label for v in curves.named_settings(tn, [text, "ratio=0.5"])]
+    assert labels == ["unpatched", "ToMA node default r=auto",
+                      "ToMA scope keys/values, plan_per_block true, start_percent 0.2, merge_every 2 r=0.85",
+                      "ToMA r=0.5"]
+    for bad, why in (("scope=block", "needs a ratio"), ("ratio=0.5,plan_per_block=yes", "true or false"),
+                     ("ratio=0.5,window=8", "name=value pairs"), ("ratio=half", "a number"),
+                     ("ratio=0.5,merge_every=1.5", "an integer")):
+        with pytest.raises(ValueError, match=why):
+            curves.setting_values(tn, bad)
+
+
+def test_cli_prints_settings_and_frames_in_its_command(capsys):
+    args = curves.parse_args(["--arch", "wan32", "--setting", "ratio=0.9,scope=keys/values", "--frames", "8"])
+    assert args.frames == 8
+    assert curves.command_line(args).startswith(
+        "python -m toma_bench.curves --arch wan32 --setting ratio=0.9,scope=keys/values --side 64 --frames 8 ")
+    assert "--frames" not in curves.command_line(curves.parse_args(["--arch", "wan32"]))
+    for argv, bad in ((["--arch", "flux32", "--frames", "8"], "--frames is for the video proxies"),
+                      (["--arch", "wan32", "--frames", "0"], "--frames must be at least 1")):
+        with pytest.raises(SystemExit):
+            curves.parse_args(argv)
+        assert bad in capsys.readouterr().err
+
+
 def test_cli_defaults_follow_the_proxy():
     """--side defaults to the proxy's training size, the speed axis to its family's real-size model; the
     printed command carries --real only where it is not the default."""

@@ -94,7 +94,7 @@ class MergeRuntime:
         self.steps.begin(schedule, model_sampling)
         self._short_run = self.short_run_in_words(self.steps.total)
         if self._short_run is not None:
-            self.notice("%s: %s", self.name, self._short_run)
+            self.notice("%s", self._short_run)
         self._in_run = True
         self._run_started = time.perf_counter()
 
