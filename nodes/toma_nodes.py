@@ -105,7 +105,7 @@ def ratio_of(ratio: float, preset: placement.Preset) -> float:
     if ratio == AUTO_RATIO:
         return preset.ratio
     if ratio < 0:
-        raise ValueError(f"ratio must be -1 (auto: the model kind's ratio) or between 0 and 0.9, got {ratio}")
+        raise ValueError(f"ratio must be -1 (auto: the model kind's ratio) or between 0.0 and 0.9, got {ratio}")
     return ratio
 
 

@@ -13,14 +13,14 @@ TOMA = {"ratio": 0.5, "window_size": 4, "reuse_interval": 5}
 
 # (node, inputs that break it, words the error must contain: the input's name and its allowed range)
 BAD_INPUTS = [
-    ("ToMAPatchModel", dict(TOMA, ratio=0.95), ["ratio", "0.0", "0.9"]),
-    ("ToMAPatchModel", dict(TOMA, ratio=-0.1), ["ratio", "0.0", "0.9"]),
+    ("ToMAPatchModel", dict(TOMA, ratio=0.95), ["ratio", "-1", "0.9"]),
+    ("ToMAPatchModel", dict(TOMA, ratio=-0.1), ["ratio", "-1 (auto", "0.0", "0.9"]),
     ("ToMAPatchModel", dict(TOMA, window_size=-1), ["window_size", "0", "32"]),
     ("ToMAPatchModel", dict(TOMA, reuse_interval=0), ["reuse_interval", "1", "100"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, window_size=33), ["window_size", "0", "32"]),
     ("ToMAPatchModel", dict(TOMA, window_size=4.5), ["window_size", "integer", "0", "32"]),
     ("ToMAPatchModel", dict(TOMA, reuse_interval="5"), ["reuse_interval", "integer", "1", "100"]),
-    ("ToMAPatchModel", dict(TOMA, ratio=True), ["ratio", "number", "0.0", "0.9"]),
+    ("ToMAPatchModel", dict(TOMA, ratio=True), ["ratio", "number", "-1", "0.9"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, weights_interval=0), ["weights_interval", "1", "100"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, start_percent=-0.1), ["start_percent", "0.0", "1.0"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, end_percent=1.5), ["end_percent", "0.0", "1.0"]),
