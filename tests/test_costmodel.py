@@ -281,3 +281,15 @@ def test_variants_are_chosen_by_parts_of_their_labels():
     assert costmodel.select_variants(variants, None) == variants
     with pytest.raises(ValueError, match="match no variant"):
         costmodel.select_variants(variants, ["nothing"])
+
+
+def test_graph_replay_prices_the_traced_recording():
+    def recorded(label, calls, traced=None):
+        return costmodel.Recorded(label, calls, 1, [], True, [], traced)
+
+    eager = [op("gemm", flops=10**9, nbytes=10**6)]
+    traced = [op("copy", nbytes=10), op("gemm", flops=10**9, nbytes=10**6)]
+    r = recorded("ToMA", [eager], recorded("ToMA", [traced]))
+    assert r.calls_in("eager") == [eager] and r.calls_in("graphs") == [traced]
+    assert len(r.calls_in("compiled")[0]) == 2
+    assert recorded("unpatched", [eager]).calls_in("graphs") == [eager]

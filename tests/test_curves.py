@@ -168,10 +168,10 @@ def test_a_run_on_a_tiny_proxy_prints_every_variant_and_draws(comfy, tmp_path):
 
 def test_cli_prices_regimes_and_runs_chosen_variants(capsys):
     args = curves.parse_args(["--arch", "sdxl", "--set", "placements", "--regimes", "eager,graphs",
-                              "--variants", "node default,start 0.25"])
-    assert args.regimes == ["eager", "graphs"] and args.variants == ["node default", "start 0.25"]
+                              "--variants", "node default;start 0.25, weights every 5"])
+    assert args.regimes == ["eager", "graphs"] and args.variants == ["node default", "start 0.25, weights every 5"]
     line = curves.command_line(args)
-    assert "--regimes eager,graphs" in line and "--variants 'node default,start 0.25'" in line
+    assert "--regimes eager,graphs" in line and "--variants 'node default;start 0.25, weights every 5'" in line
     assert "--regimes" not in curves.command_line(curves.parse_args(["--arch", "sdxl"]))
     with pytest.raises(SystemExit):
         curves.parse_args(["--regimes", "eager,jit"])

@@ -370,3 +370,42 @@ def test_dense_operators_where_launches_cost_more_than_the_arithmetic():
     plan = plan_tiles(x, (8, 8), 4, 0.5)
     assert plan.dense is not None and plan.merge(x).shape == (1, 32, 8)
     assert plan_tiles(torch.randn(1, 64, 8), (8, 8), 4, 0.5).dense is None
+
+
+def test_destination_tokens_are_made_once_per_plan():
+    # every block of a DiT group asks for them to cut its positional table: one set of kernels per plan
+    x = torch.randn(2, 48, 8, generator=gen(18))
+    plan = plan_tiles(x, (6, 8), 4, 0.5)
+    first = plan.destination_tokens()
+    assert plan.destination_tokens() is first
+    assert first.shape == (2, plan.num_merged)
+
+
+def test_what_a_group_derives_from_the_same_tensors_is_made_once_per_plan():
+    x = torch.randn(1, 16, 8, generator=gen(19))
+    plan = plan_tiles(x, (4, 4), 2, 0.5)
+    pe, made = torch.randn(16, 4), []
+
+    def make():
+        made.append(1)
+        return pe[:8] * 2
+
+    first = plan.derived("positions", (0, "layout"), (pe, None), make)
+    assert plan.derived("positions", (0, "layout"), (pe, None), make) is first and len(made) == 1
+    plan.derived("positions", (0, "layout"), (pe.clone(), None), make)  # another call's table: made again
+    plan.derived("positions", (1, "layout"), (pe, None), make)  # another text length
+    assert len(made) == 3
+
+
+def test_traced_code_keeps_the_windowed_form_and_caches_nothing(monkeypatch):
+    import toma_core.plan as plan_module
+
+    x = torch.randn(1, 64, 8, dtype=torch.bfloat16, device="meta")
+    assert plan_tiles(x, (8, 8), 4, 0.5).dense is not None
+    monkeypatch.setattr(plan_module, "is_compiling", lambda: True)  # as inside torch.compile
+    plan = plan_tiles(x, (8, 8), 4, 0.5)
+    assert plan.dense is None
+    made = []
+    for _ in range(2):
+        plan.derived("positions", 0, (x,), lambda: made.append(1))
+    assert len(made) == 2

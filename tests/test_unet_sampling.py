@@ -167,7 +167,7 @@ CASES = {
     "sd15-tomesd": Case("sd15", "ToMeSDPatchModel", {"ratio": 0.5}),
     "sd15-catome": Case("sd15", "CAToMePatchModel", {"threshold": 0.5}),
     # scope auto on SDXL at the SDXL preset's levels, 1/2 and 1/4 (placement.PRESETS["sdxl"]; the basic node
-    # also leaves the first 15% of the schedule unmerged: test_placements)
+    # also leaves the first 25% of the schedule unmerged: test_placements)
     "sdxl-square": Case("sdxl", "ToMAPatchModelAdvanced", advanced(levels="auto+next"), levels=(2, 4)),
     "sdxl-3:2-cfg5": Case("sdxl", "ToMAPatchModelAdvanced", advanced(levels="auto+next"), (1, 32, 48), cfg=5.0,
                           levels=(2, 4)),

@@ -1,7 +1,7 @@
 """Speed where users run it: every aten op of real-size models, patched by the pack's nodes, priced on a GPU.
 
     python -m toma_bench.costmodel [--models sdxl,flux,...] [--hardware h200,h100,a100,l40s,rtx4090,rtx3090,FILE.json]
-                                   [--regimes eager,graphs,compiled] [--variants default,r=0.5,...]
+                                   [--regimes eager,graphs,compiled] [--variants 'default;r=0.5;...']
                                    [--steps N] [--how pipelined|additive] [--sweep] [--json FILE]
 
 CPU only, no weights, about a minute per model. For each model (ComfyUI's own classes at real widths,
@@ -354,15 +354,31 @@ class Recorded:
     merged: list  # (level, tokens, merged tokens) of every merged level, over the pack's nodes
     patched_by_pack: bool
     failed: list
+    traced: "Recorded | None" = None  # the same run with the pack's engine as torch.compile traces it
     _fused: list | None = dataclasses.field(default=None, repr=False)
 
     def calls_in(self, regime: str) -> list:
-        """The ops of each call as ``regime`` launches them: fused once where inductor fuses them."""
+        """The ops of each call as ``regime`` launches them: from the traced recording where kernels are
+        replayed from a graph (torch.compile) and there is one, fused once where inductor fuses them."""
+        source = self.traced if REGIMES[regime].replay and self.traced is not None else self
         if not REGIMES[regime].fuse:
-            return self.calls
-        if self._fused is None:
-            self._fused = [fused(ops) for ops in self.calls]
-        return self._fused
+            return source.calls
+        if source._fused is None:
+            source._fused = [fused(ops) for ops in source.calls]
+        return source._fused
+
+
+@contextlib.contextmanager
+def traced_form(pack):
+    """The pack's engine as torch.compile traces it: toma_core.plan's is_compiling answers True (merges in
+    the windowed form, nothing kept between block calls), for the recordings the graph-replay regimes price."""
+    plan = pack.toma_core.plan
+    saved = plan.is_compiling
+    plan.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        plan.is_compiling = saved
 
 
 def run_sigmas(model, steps: int) -> torch.Tensor:
@@ -614,7 +630,7 @@ def parse_args(argv):
                     help=f"comma list of {', '.join(REGIMES)} (toma_bench.gpuclock.REGIMES; default eager): the same "
                          "recordings are priced in each")
     ap.add_argument("--variants", default=None,
-                    help="comma list of parts of variant labels to record (e.g. default,r=0.5; unpatched always; "
+                    help="';'-separated parts of variant labels to record (labels hold commas; e.g. 'default;r=0.5'; unpatched always; "
                          "default: every variant of the model)")
     ap.add_argument("--steps", type=int, default=None, help="sampling steps per run (default 15: a whole period of the default reuse 5 and of merge_every 3)")
     ap.add_argument("--how", choices=("pipelined", "additive"), default="pipelined",
@@ -635,14 +651,16 @@ def parse_args(argv):
     args.regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     if not args.regimes or any(r not in REGIMES for r in args.regimes):
         ap.error(f"--regimes: comma list of {', '.join(REGIMES)}, got {','.join(args.regimes) or 'none'}")
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
+    args.variants = [v.strip() for v in args.variants.split(";") if v.strip()] if args.variants else None
     if args.steps is not None and not 1 <= args.steps <= 200:
         ap.error(f"--steps must be in [1, 200], got {args.steps}")
     return args
 
 
-def record_model(spec: Spec, pack, steps: int, variants=None, progress=print, wanted=None) -> list[Recorded]:
-    """The recordings of ``variants`` (default: variants_for the model, those ``wanted`` by select_variants)."""
+def record_model(spec: Spec, pack, steps: int, variants=None, progress=print, wanted=None,
+                 traced: bool = False) -> list[Recorded]:
+    """The recordings of ``variants`` (default: variants_for the model, those ``wanted`` by select_variants);
+    ``traced``: each variant the pack patched is recorded again in traced_form (Recorded.traced)."""
     out = []
     variants = variants or select_variants(variants_for(spec.name, pack), wanted)
     with spec.tree.classes() if spec.tree else contextlib.nullcontext() as module, meta_sampling():
@@ -650,6 +668,9 @@ def record_model(spec: Spec, pack, steps: int, variants=None, progress=print, wa
         for variant in variants:
             started = time.perf_counter()
             out.append(record_variant(base, spec, variant, pack, steps))
+            if traced and out[-1].patched_by_pack:
+                with traced_form(pack):
+                    out[-1].traced = record_variant(base, spec, variant, pack, steps)
             progress(f"[costmodel] {spec.name}: {variant.label} recorded in {time.perf_counter() - started:.1f} s")
     return out
 
@@ -676,7 +697,7 @@ def main(argv=None) -> None:
         steps = args.steps or spec.steps
         try:
             recorded = record_model(spec, pack, steps, progress=lambda line: print(line, file=sys.stderr),
-                                    wanted=args.variants)
+                                    wanted=args.variants, traced=any(REGIMES[r].replay for r in args.regimes))
         except ValueError as e:
             sys.exit(str(e))
         report["models"][name] = {"title": spec.title, "steps": steps, "profiles": {}}

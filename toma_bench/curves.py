@@ -3,7 +3,7 @@
     python -m toma_bench.curves [--arch sd15|sdxl|flux|flux32|wan|wan32] [--set methods|toma|placements|front|fewsteps]
                                 [--setting NAME=VALUE,... ...] [--side N] [--frames N] [--batch 4] [--steps 20]
                                 [--repeats 5] [--threads 1] [--hardware h200|...|cpu] [--regimes eager,graphs,compiled]
-                                [--variants PART,...] [--real MODEL] [--out DIR]
+                                [--variants 'PART;...'] [--real MODEL] [--out DIR]
 
 The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x- or SDXL-layout UNet, Flux DiT or
 Wan video DiT, trained here on photographs; flux32 and wan32 on 32x32-token grids), so a merge that
@@ -148,6 +148,16 @@ def placements(tn) -> list[Variant]:
                  scope="keys/values", window_size=8, start_percent=0.2, **fixed) for r in (0.75, 0.85)]
     out += [toma(tn, "ToMA queries, per block, window 8", f"r={r:g}", r, scope="queries", window_size=8,
                  plan_per_block=True) for r in (0.5, 0.75)]
+    # one plan per level and weights every 5 steps: the fewest kernels a keys/values or attention merge adds,
+    # for a host that issues every kernel (December 2026)
+    out += [toma(tn, "ToMA keys/values, window 8, weights every 5", f"r={r:g}", r, scope="keys/values", window_size=8,
+                 weights_interval=5) for r in (0.75, 0.85)]
+    out.append(toma(tn, "ToMA keys/values, proportional, window 8, weights every 5", "r=0.75", 0.75,
+                    scope="keys/values", window_size=8, weights_interval=5, proportional_attention=True))
+    out.append(toma(tn, "ToMA keys/values, per block, shared destinations, window 8, weights every 5", "r=0.75", 0.75,
+                    scope="keys/values", window_size=8, weights_interval=5, plan_per_block=True,
+                    shared_destinations=True))
+    out += [toma(tn, "ToMA attention, weights every 5", f"r={r:g}", r, weights_interval=5) for r in (0.5, 0.75)]
     out += [Variant("ToMeSD", f"r={r:g}", lambda m, r=r: tn.ToMeSDPatchModel().patch(m, r)[0]) for r in (0.5, 0.75)]
     out += [Variant("ComfyUI ToMe", f"r={r:g}", lambda m, r=r: comfy_tome(m, r)) for r in (0.5, 0.75)]
     return out
@@ -375,7 +385,7 @@ def gpu_clock(rows: list[Row], pack, args, progress=print) -> None:
     spec = costmodel.SPECS[args.real]
     recorded = costmodel.record_model(spec, pack, args.steps,
                                       [costmodel.Variant(r.variant.label, patch=r.variant.patch, meta_scalar=merge_count(r)) for r in rows],
-                                      progress=progress)
+                                      progress=progress, traced=any(REGIMES[r].replay for r in args.regimes))
     hw = profile(args.hardware)
     priced = {regime: costmodel.price(recorded, hw, "pipelined", False, regime) for regime in args.regimes}
     for i, row in enumerate(rows):
@@ -475,7 +485,7 @@ def parse_args(argv):
                     help="comma list of the cost model's regimes (toma_bench.gpuclock.REGIMES: eager, graphs, "
                          "compiled; default eager): the first is the speed axis, the others columns at the end")
     ap.add_argument("--variants", default=None,
-                    help="comma list of parts of variant labels: only those rows (and unpatched) run")
+                    help="';'-separated parts of variant labels (labels hold commas): only those rows (and unpatched) run")
     ap.add_argument("--side", type=int, default=None, help="latent side (default: the proxy's training size)")
     ap.add_argument("--frames", type=int, default=None,
                     help="latent frames of a clip (video proxies; default: the proxy's training clips')")
@@ -517,7 +527,7 @@ def parse_args(argv):
     args.regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     if not args.regimes or any(r not in REGIMES for r in args.regimes):
         ap.error(f"--regimes: comma list of {', '.join(REGIMES)}, got {','.join(args.regimes) or 'none'}")
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
+    args.variants = [v.strip() for v in args.variants.split(";") if v.strip()] if args.variants else None
     return args
 
 
@@ -525,7 +535,7 @@ def command_line(args) -> str:
     """The command that reproduces this run's numbers (every option that changes them)."""
     real = "" if args.real == REAL_SIZE[args.arch] else f" --real {args.real}"
     regimes = "" if args.regimes == ["eager"] else f" --regimes {','.join(args.regimes)}"
-    variants = f" --variants '{','.join(args.variants)}'" if args.variants else ""
+    variants = f" --variants '{';'.join(args.variants)}'" if args.variants else ""
     frames = "" if args.frames is None else f" --frames {args.frames}"
     rows = "".join(f" --setting {v}" for v in args.setting) if args.setting else f" --set {args.set}"
     return (f"python -m toma_bench.curves --arch {args.arch}{rows} --side {args.side}{frames} --batch {args.batch} "

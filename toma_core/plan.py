@@ -13,10 +13,11 @@ launches cost more than the arithmetic (a GPU fed by a host that issues every ke
 its operators dense, (N' x N) with the window layout folded in, and merges and unmerges in one GEMM each
 (``dense_operators``).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 import torch
+from torch.compiler import is_compiling
 
 from .selection import select_by_similarity, unit_similarity, unit_vectors
 from .tiles import TileGrid, grid_on, tile_tokens, token_grid, untile_tokens
@@ -31,9 +32,12 @@ DENSE_MAX_ENTRIES = 4096 * 1024
 
 def dense_operators(device: torch.device, merged: int, tokens: int) -> bool:
     """Whether a plan of ``merged`` of ``tokens`` tokens on ``device`` merges and unmerges with dense
-    operators: on an accelerator (and the meta device, which stands for one), within the size limits. A CPU
-    runs kernels as the host issues them: the windowed form's arithmetic is all it pays."""
-    return device.type != "cpu" and merged <= DENSE_MAX_MERGED and merged * tokens <= DENSE_MAX_ENTRIES
+    operators: eager on an accelerator (and the meta device, which stands for one), within the size limits.
+    A CPU runs kernels as the host issues them: the windowed form's arithmetic is all it pays. Traced code
+    (torch.compile) keeps the windowed form too: inductor fuses its copies into the ops around them and
+    replays the kernels from a graph, so the dense GEMM's arithmetic would be all the difference."""
+    return (device.type != "cpu" and not is_compiling() and merged <= DENSE_MAX_MERGED
+            and merged * tokens <= DENSE_MAX_ENTRIES)
 
 
 def destinations_per_tile(grid: TileGrid, ratio: float) -> torch.Tensor:
@@ -88,6 +92,23 @@ def check_merged_shape(y: torch.Tensor, batch: int, tokens: int) -> None:
 class TokenPlan:
     """What every plan (ToMA, identity, ToMeSD/CA-ToMe) offers besides ``merge`` and ``unmerge``."""
 
+    def derived(self, name: str, key, sources: tuple, make):
+        """``make()``, made once for as long as it is asked for with an equal ``key`` and the very same
+        ``sources`` (identity: the tensors it is derived from): what every block of the plan's group derives
+        alike from the model call's tensors (a DiT's positional table cut to the merged tokens) costs one set
+        of kernels, not one per block. Traced code (torch.compile) makes it each time: fused there, it is
+        cheap, and a cache would guard on tensor identity."""
+        if is_compiling():
+            return make()
+        cache = self.__dict__.setdefault("_derived", {})
+        hit = cache.get(name)
+        if hit is not None and hit[0] == key and len(hit[1]) == len(sources) and all(
+                a is b for a, b in zip(hit[1], sources)):
+            return hit[2]
+        value = make()
+        cache[name] = (key, sources, value)
+        return value
+
     def unmerge_update(self, x: torch.Tensor, merged_input: torch.Tensor, merged_output: torch.Tensor) -> torch.Tensor:
         """x + U(f(Mx) - Mx): the update a block computed on merged tokens, carried back onto the
         full-resolution stream ``x`` (B, N, C); merged_input = Mx, merged_output = f(Mx), (B, N', C)."""
@@ -116,6 +137,7 @@ class MergePlan(TokenPlan):
     live: torch.Tensor | None
     mass: torch.Tensor | None = None
     dense: tuple[torch.Tensor, torch.Tensor] | None = None
+    _destination_tokens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_merged(self) -> int:
@@ -130,6 +152,12 @@ class MergePlan(TokenPlan):
         B, T, D, _ = self.merge_weights.shape
         merged = (self.merge_weights @ tile_tokens(x, self.grid)).view(B, T * D, -1)
         return merged if self.live is None else merged.index_select(1, self.live)
+
+    def unmerge_update(self, x: torch.Tensor, merged_input: torch.Tensor, merged_output: torch.Tensor) -> torch.Tensor:
+        if self.dense is None:
+            return super().unmerge_update(x, merged_input, merged_output)
+        check_merged_shape(merged_output, x.shape[0], self.num_merged)
+        return torch.baddbmm(x, self.dense[1], merged_output - merged_input)  # the add in the GEMM
 
     def unmerge(self, y: torch.Tensor) -> torch.Tensor:
         """(B, N', C) -> (B, N, C)."""
@@ -151,12 +179,15 @@ class MergePlan(TokenPlan):
 
     def destination_tokens(self) -> torch.Tensor:
         """(B, N') long raster index (in the frames x h x w grid) of each merged token's destination,
-        for positional tables."""
-        B, T, D = self.destinations.shape
-        origin = grid_on(self.grid, self.destinations.device)[1]
-        raster = origin[torch.arange(T, device=origin.device)[:, None], self.destinations.clamp(min=0)]
-        raster = raster.reshape(B, T * D)
-        return raster if self.live is None else raster.index_select(1, self.live)
+        for positional tables; made once per plan, which every block of its group reuses (a DiT's blocks
+        each ask for it)."""
+        if self._destination_tokens is None:
+            B, T, D = self.destinations.shape
+            origin = grid_on(self.grid, self.destinations.device)[1]
+            raster = origin[torch.arange(T, device=origin.device)[:, None], self.destinations.clamp(min=0)]
+            raster = raster.reshape(B, T * D)
+            self._destination_tokens = raster if self.live is None else raster.index_select(1, self.live)
+        return self._destination_tokens
 
 
 class IdentityPlan(TokenPlan):

@@ -680,9 +680,13 @@ class DiTPatch:
 
     def reduced_inputs(self, call: BlockCall) -> dict:
         """The block's per-token inputs besides the tokens (``pe``, ``attn_mask``), cut to the merged
-        sequence. A family whose blocks take other per-token inputs overrides this."""
-        return merged_positions(call.args, call.txt_len, call.layout, call.plan, self.pe_axis_of(call.args),
-                                call.reference_plans)
+        sequence, once per plan and model call (TokenPlan.derived). A family whose blocks take other per-token
+        inputs overrides this."""
+        args, pe_axis = call.args, self.pe_axis_of(call.args)
+        return call.plan.derived("positions", (call.txt_len, call.layout, pe_axis),
+                                 (args.get("pe"), args.get("attn_mask"), *call.reference_plans),
+                                 lambda: merged_positions(args, call.txt_len, call.layout, call.plan, pe_axis,
+                                                          call.reference_plans))
 
     def reference_plans(self, group: str, seq: torch.Tensor, begin: int, layout: ImageLayout, options: dict,
                         block=None):
