@@ -67,6 +67,17 @@ def test_prepared_kit_runs_the_benchmark_dry_on_the_cpu(tmp_path):
     assert all(p["kernels_per_call"] > 0 and p["device_ms_per_step"] for p in profiled.values())
     fit = results["fits"]["sdxl"]
     assert set(fit["rows"]) == {r["variant"] for r in sdxl} and fit["parameters"]["host_us_per_kernel"] > 0
+    # predictions eager and compiled; the host pass (SD1.5 and SDXL unpatched, eager; no CUDA graph on the
+    # CPU) and the compile pass (unpatched and the node's default under ComfyUI's TorchCompileModel path)
+    assert all(set(p["regimes"]) == {"eager", "compiled"} for p in results["predictions"]["sdxl"].values())
+    assert set(results["host"]) == {"sd15", "sdxl"}
+    assert all(h["kernels_per_call"] > 100 and h["eager_ms"] > 0 and h["graph_ms"] is None
+               for h in results["host"].values())
+    if has_flux:  # a current tree: comfy_api.torch_helpers is there
+        compiled = results["compiled"]["sdxl"]["rows"]
+        assert [r["variant"].split(" (")[0] for r in compiled] == ["unpatched", "ToMA node default"]
+        assert all(r["compiled_ms"] > 0 and r["graphs"] >= 1 for r in compiled)
     markdown = (tmp_path / "gpu_bench.md").read_text()
+    assert "The host's cost per op" in markdown and "predicted compiled" in markdown
     assert "predicted speed-up" in markdown and "fitted on the unpatched run" in markdown
     assert "## sdxl" in markdown and "ToMA r=0.75 auto+next block" in markdown

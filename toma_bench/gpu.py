@@ -21,8 +21,8 @@ the real sizes, sampled through ComfyUI's own sampler (euler), every variant pat
   double and single blocks (r=0.5 the earlier default), and on the single blocks only.
 
 First, before anything is measured, the cost model (toma_bench.costmodel) records every variant on the
-meta device exactly as it will run here and writes its predictions (profile from the GPU's name, else
-h200; ``--hardware`` chooses). ``--predict-only`` stops there (no GPU needed: docs/benchmarks.md keeps
+meta device exactly as it will run here and writes its predictions, eager and compiled (the regimes of
+toma_bench.gpuclock; profile from the GPU's name, else h200; ``--hardware`` chooses). ``--predict-only`` stops there (no GPU needed: docs/benchmarks.md keeps
 the kit's predictions, made before any GPU run). After the timed runs, one run of the unpatched model
 and of the node's default under torch.profiler gives kernels per model call, device time per op class
 and host time per aten op; the profile's free parameters (each op class's efficiency, host microseconds
@@ -37,8 +37,16 @@ call; ``speed-up`` is unpatched / variant; ``peak GiB`` is torch's peak allocate
 toma_bench.syncs.SyncCounter: the pack's calls that make the host wait for the GPU (reads of device
 values, copies from the host), the most in one model call, and the copies among them over the run.
 
-``--dry-run`` runs the same code on the CPU at tiny sizes (fp32), to check the kit without a GPU; its
-numbers mean nothing. Only ComfyUI's core sampling modules are imported, never its nodes.py (which pulls
+The host pass, before the variants: unpatched SD1.5 (512x512) and SDXL (1024x1024), CFG batch 2, their
+diffusion model called directly, eager and replayed from a CUDA graph; with the kernels and views the cost
+model records for one call, eager against replayed pins the host's microseconds per kernel-launching op
+(the clock's least known number: 25 assumed on a datacenter host). The compile pass, after them, while
+the budget lasts: unpatched and the node's default under ComfyUI's own TorchCompileModel code path
+(comfy_api.torch_helpers.set_torch_compile_wrapper, inductor), next to the same two eager, with
+dynamo's graph and graph-break counts.
+
+``--dry-run`` runs the same code on the CPU at tiny sizes (fp32; no CUDA graph, the compile pass with
+dynamo's "eager" backend), to check the kit without a GPU; its numbers mean nothing. Only ComfyUI's core sampling modules are imported, never its nodes.py (which pulls
 in PyAV and the API nodes): the kit stays small. A ComfyUI tree without Flux (the pinned March 2024 one)
 skips Flux with a note.
 """
@@ -214,6 +222,8 @@ class Results:
         # model -> label -> the cost model's {"ms", "speed_up", "classes"}, written before any measurement
         self.predictions: dict = {}
         self.profiles: dict = {}  # model -> variant -> profile_pass()
+        self.host: dict = {}  # model -> host_pass()
+        self.compiled: dict = {}  # model -> compile_pass()
         self.fits: dict = {}  # model -> {"parameters", "rows": label -> fitted prediction}
         out.mkdir(parents=True, exist_ok=True)
 
@@ -221,7 +231,8 @@ class Results:
         data = {"meta": self.meta, "predictions": self.predictions,
                 "models": {name: {"setup": s["setup"], "rows": [r.as_dict(s["rows"][0]) for r in s["rows"]]}
                            for name, s in self.sections.items()},
-                "profiles": self.profiles, "fits": self.fits, "syncs": self.syncs, "notes": self.notes}
+                "profiles": self.profiles, "fits": self.fits, "syncs": self.syncs, "host": self.host,
+                "compiled": self.compiled, "notes": self.notes}
         (self.out / "gpu_bench.json.tmp").write_text(json.dumps(data, indent=1))
         os.replace(self.out / "gpu_bench.json.tmp", self.out / "gpu_bench.json")
         (self.out / "gpu_bench.md.tmp").write_text(self.markdown(data))
@@ -245,15 +256,16 @@ class Results:
                       f"Predicted: the cost model on the {meta.get('hardware', '?')} profile, written before measuring; "
                       "fitted: the same with its free parameters fitted on the unpatched run's profiler pass; "
                       "error: fitted against measured speed-up (out of sample for every merged variant).", "",
-                      "| variant | predicted ms | predicted speed-up | step ms | speed-up | fitted speed-up | error % "
-                      "| peak GiB | merge % | merged tokens | runs |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+                      "| variant | predicted ms | predicted speed-up | predicted compiled | step ms | speed-up "
+                      "| fitted speed-up | error % | peak GiB | merge % | merged tokens | runs |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
             for label in dict.fromkeys(list(predicted) + list(measured)):
                 p, r, f = predicted.get(label, {}), measured.get(label, {}), fitted.get(label, {})
                 error = (100 * (f["speed_up"] / r["speed_up"] - 1)
                          if f.get("speed_up") and r.get("speed_up") else None)
+                compiled = p.get("regimes", {}).get("compiled", {}).get("speed_up")
                 cells = [label, format_cell(p.get("ms"), "{:.1f}"), format_cell(p.get("speed_up"), "{:.2f}x"),
-                         format_cell(r.get("step_ms"), "{:.1f}"), format_cell(r.get("speed_up"), "{:.2f}x"),
+                         format_cell(compiled, "{:.2f}x"), format_cell(r.get("step_ms"), "{:.1f}"), format_cell(r.get("speed_up"), "{:.2f}x"),
                          format_cell(f.get("speed_up"), "{:.2f}x"), format_cell(error, "{:+.1f}"),
                          format_cell(r.get("peak_gib"), "{:.2f}"), format_cell(r.get("merge_percent"), "{:.1f}"),
                          r.get("merged_tokens", "-"), r.get("runs", 0)]
@@ -268,6 +280,28 @@ class Results:
                 params = ", ".join(f"{k} x{v:.2f}" if k != "host_us_per_kernel" else f"{k} = {v:.1f}"
                                    for k, v in data["fits"][name]["parameters"].items())
                 lines.append(f"- fitted on the unpatched run: {params}")
+            lines.append("")
+        if data["host"]:
+            lines += ["## The host's cost per op (unpatched, diffusion model called directly)", "",
+                      "| model | kernels per call | views per call | eager ms per call | graph-replayed ms per call "
+                      "| eager / replayed | host us per kernel (views at 1/5 of it) |", "|---|---:|---:|---:|---:|---:|---|"]
+            for name, h in data["host"].items():
+                ratio = h["eager_ms"] / h["graph_ms"] if h.get("graph_ms") else None
+                lines.append(f"| {name} | {h['kernels_per_call']} | {h['views_per_call']} | {h['eager_ms']:.2f} | "
+                             f"{format_cell(h.get('graph_ms'), '{:.2f}')} | {format_cell(ratio, '{:.2f}x')} | "
+                             f"{h['host_us_per_kernel']:.1f} ({h['bound']}) |")
+            lines.append("")
+        if data["compiled"]:
+            lines += ["## Under torch.compile (ComfyUI's TorchCompileModel path) next to eager", "",
+                      "| model | variant | eager step ms | compiled step ms | eager speed-up | compiled speed-up "
+                      "| predicted compiled | graphs | graph breaks |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+            for name, c in data["compiled"].items():
+                rows = c["rows"]
+                for r in rows:
+                    lines.append(f"| {name} | {r['variant']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
+                                 f"{rows[0]['eager_ms'] / r['eager_ms']:.2f}x | {rows[0]['compiled_ms'] / r['compiled_ms']:.2f}x | "
+                                 f"{format_cell(r.get('predicted_compiled'), '{:.2f}x')} | {r['graphs']} | {r['graph_breaks']} |")
+                lines.append(f"- {c['setup']}")
             lines.append("")
         if data["syncs"]:
             lines += ["## Host-device syncs (toma_bench.syncs, one run each)", "",
@@ -361,10 +395,18 @@ def fitted_profile(hw: gpuclock.Hardware, predicted_classes: dict, measured: dic
     return dataclasses.replace(hw, name=hw.name + " (fitted)", **fitted), dict(changes, host_us_per_kernel=measured["host_us_per_op"])
 
 
-def priced_rows(recorded, hw) -> dict:
-    """label -> (ms per step, speed-up, device ms per op class per step) of the recordings on ``hw``."""
-    rows = costmodel.price(recorded, hw, "pipelined", sweep=False)
-    return {r.label: {"ms": r.ms_per_step, "speed_up": r.speed_up, "classes": r.class_ms} for r in rows}
+PREDICTED_REGIMES = ("eager", "compiled")
+
+
+def priced_rows(recorded, hw, regimes=PREDICTED_REGIMES) -> dict:
+    """label -> (ms per step, speed-up, device ms per op class per step) of the recordings on ``hw`` in the
+    first of ``regimes``, and ms and speed-up in each of them ("regimes")."""
+    priced = {regime: costmodel.price(recorded, hw, "pipelined", sweep=False, regime=regime) for regime in regimes}
+    first = priced[regimes[0]]
+    return {r.label: {"ms": r.ms_per_step, "speed_up": r.speed_up, "classes": r.class_ms,
+                      "regimes": {g: {"ms": priced[g][i].ms_per_step, "speed_up": priced[g][i].speed_up}
+                                  for g in regimes}}
+            for i, r in enumerate(first)}
 
 
 # -- one model -------------------------------------------------------------------------------------------
@@ -409,7 +451,8 @@ def predict(name: str, scale: Scale, variants, pack, log) -> list:
     """The cost model's recordings of ``variants`` of ``name`` as this benchmark runs them (priced by
     priced_rows)."""
     return costmodel.record_model(spec_of(name, scale), pack, scale.steps,
-                                  [costmodel.Variant(v.label, patch=v.patch) for v in variants], progress=log)
+                                  [costmodel.Variant(v.label, patch=v.patch) for v in variants], progress=log,
+                                  traced=True)
 
 
 def sample(model, scale: Scale, job) -> None:
@@ -512,6 +555,154 @@ def measure_model(name, scale, variants, pack, results: Results, cuda: bool, rep
     return complete
 
 
+# -- the host pass: eager against a CUDA graph's replay ----------------------------------------------------
+HOST_CONFIGS = {"sd15": ("SD15", models.SD15_FULL, 64, 768), "sdxl": ("SDXL", models.SDXL_FULL, 128, 2048)}
+HOST_VIEW_SHARE = 0.2  # a view's host time against a kernel's, as the cost model's profiles have it
+
+
+def host_inputs(name: str, side: int, context_dim: int, dtype, device, adm: int = 0) -> dict:
+    """The diffusion model's inputs of one CFG-batched call (cond and uncond), seeded."""
+    g = torch.Generator().manual_seed(SEED)
+    out = {"x": torch.randn(2, 4, side, side, generator=g), "timesteps": torch.full((2,), 500.0),
+           "context": torch.randn(2, 77, context_dim, generator=g)}
+    if adm:
+        out["y"] = torch.randn(2, adm, generator=g)
+    return {k: v.to(device=device, dtype=dtype if v.is_floating_point() and k != "timesteps" else v.dtype)
+            for k, v in out.items()}
+
+
+def host_pass(name: str, dry_run: bool, cuda: bool, calls: int, log) -> dict:
+    """Unpatched ``name`` ("sd15" or "sdxl"): its diffusion model called ``calls`` times eager and, on CUDA,
+    replayed as often from a CUDA graph; the kernels and views of one call from the cost model's recording of
+    the same call on the meta device. Host-bound where eager takes longer than the replay: then eager time
+    / (kernels + views at HOST_VIEW_SHARE) is the host's microseconds per kernel-launching op."""
+    from .oprecord import recording, to_meta
+
+    model_config, config, side, context_dim = HOST_CONFIGS[name]
+    if dry_run:
+        config = (dict(models.SDXL_SMALL, model_channels=32, num_head_channels=16) if name == "sdxl"
+                  else dict(models.SD15_FULL, model_channels=32, num_heads=4))
+        side = 16
+    dtype = torch.bfloat16 if cuda else torch.float32
+    device = torch.device("cuda" if cuda else "cpu")
+    model = models.build_unet(name, SEED, dtype, config, draw_device=device if cuda else None)
+    dm = model.model.diffusion_model.to(device)
+    adm = config.get("adm_in_channels") or 0
+    inputs = host_inputs(name, side, context_dim, dtype, device, adm)
+
+    def timed(fn) -> float:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return 1000 * (time.perf_counter() - start) / calls
+
+    with torch.inference_mode():
+        eager_ms = timed(lambda: dm(**inputs))
+        graph_ms, note = None, "no CUDA: no graph replay"
+        if cuda:
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        dm(**inputs)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    dm(**inputs)
+                graph_ms, note = timed(graph.replay), "graph replayed"
+            except Exception as e:  # a capture that fails says why in the results
+                note = f"CUDA graph capture failed: {type(e).__name__}: {e}"
+        spec = costmodel.Spec(name, name, model_config, config, (1, 4, side, side), lambda: None, unet=True)
+        meta = costmodel.build_meta(spec).model.diffusion_model
+        with recording() as rec, rec.model_call():
+            # the meta model is bf16 (costmodel.DTYPE), whatever dtype the timed run used
+            meta(**{k: to_meta(v.cpu()).to(costmodel.DTYPE) if v.is_floating_point() and k != "timesteps"
+                    else to_meta(v.cpu()) for k, v in inputs.items()})
+    ops = rec.calls[0]
+    kernels, views = sum(op.kernel for op in ops), sum(not op.kernel for op in ops)
+    bound = "host-bound" if graph_ms and eager_ms > 1.1 * graph_ms else "not host-bound: a bound from below"
+    result = {"kernels_per_call": kernels, "views_per_call": views, "eager_ms": eager_ms, "graph_ms": graph_ms,
+              "host_us_per_kernel": 1000 * eager_ms / (kernels + HOST_VIEW_SHARE * views), "bound": bound,
+              "note": note, "calls": calls}
+    log(f"[gpu] host pass {name}: {kernels} kernels, {views} views a call; eager {eager_ms:.2f} ms, "
+        f"{note}{'' if graph_ms is None else f' {graph_ms:.2f} ms'}")
+    del dm, model
+    return result
+
+
+# -- the compile pass: ComfyUI's TorchCompileModel path next to eager ---------------------------------------
+def compiled_clone(model, backend: str):
+    """A clone of ``model`` compiled as ComfyUI's TorchCompileModel node compiles it, or None where this
+    ComfyUI tree has no such path (feature-detected)."""
+    try:
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+    except ImportError:
+        return None
+    clone = model.clone()
+    set_torch_compile_wrapper(clone, backend=backend)
+    return clone
+
+
+def compile_pass(name, scale, variants, pack, cuda: bool, repeats: int, deadline: float, predicted: dict,
+                 log) -> dict | None:
+    """Unpatched and the node's default of ``name``, eager and compiled (inductor on CUDA, dynamo's "eager"
+    backend in a dry run): median step ms over interleaved runs after one warm-up each (the compile), with
+    dynamo's unique graphs and graph breaks of each compiled variant. None where the tree has no
+    TorchCompileModel path."""
+    import torch._dynamo
+
+    backend = "inductor" if cuda else "eager"
+    base, job = build(name, scale, cuda)
+    clock = CallClock(cuda)
+    base.set_model_unet_function_wrapper(clock.wrapper)
+    chosen = [v for v in variants if v.label == "unpatched" or v.profiled]
+    rows, runs = [], []
+    for v in chosen:
+        eager = v.patch(base)
+        compiled = compiled_clone(eager, backend)
+        if compiled is None:
+            return None
+        runs.append((v, eager, compiled))
+    with torch.inference_mode():
+        counts = {}
+        for v, eager, compiled in runs:  # warm-up: the compile, the graphs it makes, their breaks
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            sample(compiled, scale, job)
+            counters = torch._dynamo.utils.counters
+            counts[v.label] = (int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values()))
+            sample(eager, scale, job)
+            clock.take_seconds()
+        times = {v.label: ([], []) for v, _, _ in runs}
+        for repeat in range(repeats):
+            if time.perf_counter() > deadline:
+                break
+            for v, eager, compiled in runs:
+                for k, m in enumerate((eager, compiled)):
+                    sample(m, scale, job)
+                    times[v.label][k].append(clock.take_seconds() / scale.steps)
+    for v, _, _ in runs:
+        eager_s, compiled_s = times[v.label]
+        if not eager_s:
+            return None
+        rows.append({"variant": v.label, "eager_ms": 1000 * statistics.median(eager_s),
+                     "compiled_ms": 1000 * statistics.median(compiled_s), "runs": len(eager_s),
+                     "graphs": counts[v.label][0], "graph_breaks": counts[v.label][1],
+                     "predicted_compiled": predicted.get(v.label, {}).get("regimes", {}).get("compiled", {}).get("speed_up")})
+    setup = (f"backend {backend} through comfy_api.torch_helpers.set_torch_compile_wrapper; "
+             f"{rows[0]['runs']} interleaved runs after one warm-up (the compile)")
+    log(f"[gpu] compile pass {name}: " + "; ".join(f"{r['variant']} eager {r['eager_ms']:.1f} ms, compiled "
+                                                    f"{r['compiled_ms']:.1f} ms, {r['graphs']} graphs, "
+                                                    f"{r['graph_breaks']} breaks" for r in rows))
+    return {"setup": setup, "rows": rows}
+
+
 def comfy_description(root: Path) -> str:
     commit = root / ".comfyui-commit"
     if commit.is_file():
@@ -583,9 +774,18 @@ def main(argv=None) -> None:
         results.write()
         log((results.out / "gpu_bench.md").read_text())
         return
+    for name in HOST_CONFIGS:  # the host's cost per op first: seconds, and what the clock needs most
+        results.host[name] = host_pass(name, args.dry_run, cuda, 3 if args.dry_run else 20, log)
+        results.write()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    # the variants get all but the compile pass's share: a compile of each model and its timed runs
+    compile_share = 0.0 if args.dry_run else min(150.0, 0.3 * (deadline - time.perf_counter()))
+    variants_deadline = deadline - compile_share
     for i, name in enumerate(todo):
         # each model gets an equal share of what is left, so a slow first model cannot starve the second
-        share = (deadline - time.perf_counter()) / (len(todo) - i)
+        share = (variants_deadline - time.perf_counter()) / (len(todo) - i)
         complete &= measure_model(name, sizes[name], variants[name], pack, results, cuda, args.repeats,
                                   time.perf_counter() + share, log, recordings[name], hw)
         import comfy.model_management
@@ -594,6 +794,20 @@ def main(argv=None) -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    for i, name in enumerate(todo):
+        share = (deadline - time.perf_counter()) / (len(todo) - i)
+        if share < (5.0 if args.dry_run else 40.0):
+            results.notes.append(f"{name}: no compile pass (budget)")
+            complete = False
+            continue
+        compiled = compile_pass(name, sizes[name], variants[name], pack, cuda, args.repeats,
+                                time.perf_counter() + share, results.predictions[name], log)
+        if compiled is None:
+            results.notes.append(f"{name}: no compile pass (this ComfyUI tree has no comfy_api.torch_helpers, or "
+                                 "no run fit the budget)")
+        else:
+            results.compiled[name] = compiled
+        results.write()
     meta["complete"] = complete
     meta["elapsed_s"] = time.perf_counter() - started
     results.write()
