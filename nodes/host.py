@@ -67,13 +67,17 @@ def block_patches_of_caller(max_depth: int = 16) -> dict | None:
 
 def install_run_hooks(m, runtime) -> None:
     """``runtime.begin_run`` at the start of every sampling run of the patched clone ``m`` (with the
-    run's sigmas and the sampled model's noise schedule), ``runtime.end_run`` at its end."""
+    run's sigmas and the sampled model's noise schedule), ``runtime.end_run`` at its end, and
+    ``runtime.around_model_call`` around every model call, outside the diffusion model (which is all that
+    ComfyUI's TorchCompileModel compiles): current ComfyUI's APPLY_MODEL wrapper, else an object patch of
+    ``BaseModel.apply_model``."""
     try:
         from comfy.patcher_extension import WrappersMP
     except ImportError:
         WrappersMP = None
     if WrappersMP is not None and hasattr(m, "add_wrapper_with_key"):
         m.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, runtime.outer_sample_wrapper)
+        m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, runtime.apply_model_wrapper)
         return
     extra_conds = original_attr(m, "extra_conds")
     base_model = m.model
@@ -99,3 +103,10 @@ def install_run_hooks(m, runtime) -> None:
         return out
 
     m.add_object_patch("process_latent_out", process_latent_out_then_end_run)
+    apply_model = original_attr(m, "apply_model")
+
+    def apply_model_in_a_model_call(*args, **kwargs):
+        run = owner()
+        return apply_model(*args, **kwargs) if run is None else run.around_model_call(apply_model, *args, **kwargs)
+
+    m.add_object_patch("apply_model", apply_model_in_a_model_call)

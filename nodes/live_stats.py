@@ -39,7 +39,8 @@ def stats_lines(summary: dict) -> list[str]:
     wall = summary.get("wall_seconds")
     if wall:
         shares = " · ".join(f"{kind} {100 * s / wall:.1f}%" for kind, s in summary["seconds"].items())
-        lines.append(f"{shares} of {wall:.2f} s sampling")
+        untimed = " (stages inside a torch.compile graph untimed)" if summary.get("untimed") else ""
+        lines.append(f"{shares} of {wall:.2f} s sampling{untimed}")
     return lines
 
 

@@ -11,8 +11,12 @@ import logging
 
 import torch
 
+from toma_bench import compiling
 from toma_bench.metrics import relative_l2
 
+# merge paths of a ToMA run, a graph each under torch.compile: the first call (its plan keys new), calls
+# building plans, calls reusing them, calls merging nothing (docs/architecture.md, "Under torch.compile")
+MAX_GRAPHS = 4
 WRAPPER = "comfyui_toma"  # the pack's wrapper key on a ModelPatcher
 LOGGER = "ComfyUI-ToMA"
 
@@ -154,3 +158,29 @@ def check_comes_back_unpatched(pack, model, caplog, why):
         out = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)[0]
     assert out is model and model.model_options == before
     assert why in caplog.text
+
+
+def check_compiles_clean(pack, patched, sample, backend="eager"):
+    """``patched`` sampled eagerly, then twice compiled: no graph break, no frame skipped, at most
+    MAX_GRAPHS graphs in the first run, none in the second; the eager output and the same plans."""
+    runtime = pack.nodes.runtime.runtime_of(patched)
+    with compiling.constant_free_memory():
+        eager = sample(patched)
+        eager_report = runtime.report()
+        model = compiling.compiled(patched, backend=backend)
+        with compiling.counting() as first:
+            out = sample(model)
+        report = runtime.report()
+        with compiling.counting(fresh=False) as second:
+            again = sample(model)
+    assert report.levels, "nothing merged: the count would prove nothing"
+    assert first.clean() and 1 <= first.graphs <= MAX_GRAPHS, str(first)
+    assert second.graphs == 0 and not second.recompiles and second.clean(), str(second)
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, out)
+    assert {level: (s.tokens, s.merged_tokens, s.steps) for level, s in report.levels.items()} == \
+           {level: (s.tokens, s.merged_tokens, s.steps) for level, s in eager_report.levels.items()}
+    for key, plan in eager_report.plans.items():
+        if hasattr(plan, "destinations"):
+            assert torch.equal(report.plans[key].destinations, plan.destinations), key
+    return first, report

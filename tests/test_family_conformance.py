@@ -8,7 +8,8 @@ destination) reproduces it; ratio 0.5 merges half of each block group's grid on 
 square sizes, batch 1 and 2, short and long text, 1, 5 and 9 latent frames for video, and the stats name
 exactly those grids; a LoRA applies on either side of the node; the input model is untouched; no state
 leaks from one run into the next; of two stacked token merge nodes the nearer one merges, and the
-stats of the other say which node took its blocks.
+stats of the other say which node took its blocks; the basic node and every scope compile clean under
+ComfyUI's TorchCompileModel.
 """
 import math
 from dataclasses import dataclass
@@ -160,10 +161,10 @@ def family_of(pack, row):
     return getattr(pack.nodes.adapters.families, row.family)
 
 
-def sample(row, model, size="odd", batch=1, text=0, frames=5, cfg=1.0, seed=0):
+def sample(row, model, size="odd", batch=1, text=0, frames=5, cfg=1.0, seed=0, steps=2):
     frame_axis = [frames] if row.video else [1] if row.frame_axis else []
     latent = torch.zeros(batch, row.channels, *frame_axis, *row.sizes[size])
-    return sampling.sample(model, row.text(batch, row.texts[text], seed), latent, steps=2, cfg=cfg,
+    return sampling.sample(model, row.text(batch, row.texts[text], seed), latent, steps=steps, cfg=cfg,
                            scheduler="simple", seed=seed)
 
 
@@ -395,3 +396,14 @@ def test_proportional_attention_weighs_merged_keys_or_says_it_does_not(pack, row
 
 def row_name(row) -> str:
     return next(name for name, r in ROWS.items() if r is row)
+@every_family
+def test_compiles_clean(pack, row, model):
+    """Under ComfyUI's TorchCompileModel (dynamo backend "eager", toma_bench.compiling): the basic node
+    at its defaults and the Advanced node at every scope the family honours compile without a graph
+    break or a frame left to eager, one graph per merge path, none new in a second run, with the eager
+    output and the same plans (dit_checks.check_compiles_clean)."""
+    (basic,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)
+    cases = [basic] + [dit_checks.toma_patched(pack, model, scope=scope)[0]
+                       for scope in family_of(pack, row).placements]
+    for patched in cases:
+        dit_checks.check_compiles_clean(pack, patched, lambda m: sample(row, m, steps=3))

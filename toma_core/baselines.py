@@ -176,6 +176,10 @@ class CheckpointSchedule:
     def reset(self) -> None:
         self._progress_seen.clear()
 
+    def forget(self, group) -> None:
+        """Forget one group's history (its next decision is a new group's)."""
+        self._progress_seen.pop(group, None)
+
     def decide(self, step: int, progress: float, group, total: int | None = None) -> StepDecision:
         if total is not None:
             new = step in catome_checkpoints(total, self.checkpoints, self.reference_steps)

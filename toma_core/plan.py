@@ -13,8 +13,9 @@ launches cost more than the arithmetic (a GPU fed by a host that issues every ke
 its operators dense, (N' x N) with the window layout folded in, and merges and unmerges in one GEMM each
 (``dense_operators``).
 """
+import struct
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import torch
 from torch.compiler import is_compiling
@@ -40,12 +41,34 @@ def dense_operators(device: torch.device, merged: int, tokens: int) -> bool:
             and merged * tokens <= DENSE_MAX_ENTRIES)
 
 
-def destinations_per_tile(grid: TileGrid, ratio: float) -> torch.Tensor:
-    """(T,) long: how many destinations each tile keeps, round((1 - ratio) * real tokens), at least 1."""
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32, as a Python float."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def kept_per_tile(grid: TileGrid, ratio: float) -> tuple[int, ...]:
+    """How many destinations each tile keeps, round((1 - ratio) * real tokens), at least 1, in Python
+    integers from the grid's shape alone: plan geometry is settled without a tensor (under torch.compile
+    it is a constant of the graph, and nothing is read back from the device). The product is taken in
+    float32 and rounded half to even, as ``torch.round`` of a float32 tensor rounds it."""
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"ratio must be in [0, 1), got {ratio}")
-    real = grid.valid.sum(-1)
-    return torch.round(real * (1.0 - ratio)).long().clamp_(min=1)
+    f, t = grid.temporal_window, grid.window_size
+    scale = _float32(1.0 - ratio)
+    kept = []
+    for fw in range(grid.frame_windows):
+        frames = min(f, grid.frames - fw * f)
+        for r in range(grid.rows):
+            rows = min(t, grid.h - r * t)
+            for c in range(grid.cols):
+                real = frames * rows * min(t, grid.w - c * t)
+                kept.append(max(1, round(_float32(real * scale))))
+    return tuple(kept)
+
+
+def destinations_per_tile(grid: TileGrid, ratio: float) -> torch.Tensor:
+    """(T,) long: how many destinations each tile keeps, round((1 - ratio) * real tokens), at least 1."""
+    return torch.tensor(kept_per_tile(grid, ratio), dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -65,14 +88,16 @@ class PlanGeometry:
 
 @lru_cache(maxsize=256)
 def plan_geometry(grid: TileGrid, ratio: float, device: torch.device) -> PlanGeometry:
-    """The PlanGeometry of ``grid`` at ``ratio`` on ``device``, computed on the host from the grid shape
-    and copied to the device once per (grid, ratio, device), so building a plan reads nothing back from
-    the device and copies nothing to it."""
-    keep = destinations_per_tile(grid, ratio)
-    D = int(keep.max())
-    live_slot = torch.arange(D)[None, :] < keep[:, None]
-    live = None if bool(live_slot.all()) else live_slot.flatten().nonzero().squeeze(1).to(device)
-    return PlanGeometry(D, grid_on(grid, device)[0], live_slot.to(device), live)
+    """The PlanGeometry of ``grid`` at ``ratio`` on ``device``, from the grid shape alone (Python
+    integers) and copied to the device once per (grid, ratio, device), so building a plan reads nothing
+    back from the device and copies nothing to it. Under torch.compile (which traces through the cache)
+    every figure is a constant of the graph."""
+    kept = kept_per_tile(grid, ratio)
+    D = max(kept)
+    live_slot = [[slot < k for slot in range(D)] for k in kept]
+    live = None if min(kept) == D else [i for i, used in enumerate(sum(live_slot, [])) if used]
+    return PlanGeometry(D, grid_on(grid, device)[0], torch.tensor(live_slot, device=device),
+                        None if live is None else torch.tensor(live, dtype=torch.long, device=device))
 
 
 @lru_cache(maxsize=256)
@@ -138,6 +163,7 @@ class MergePlan(TokenPlan):
     mass: torch.Tensor | None = None
     dense: tuple[torch.Tensor, torch.Tensor] | None = None
     _destination_tokens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _log_mass: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_merged(self) -> int:
@@ -169,13 +195,16 @@ class MergePlan(TokenPlan):
             y = y.new_zeros(B, T * D, y.shape[-1]).index_copy_(1, self.live, y)
         return untile_tokens(self.unmerge_weights @ y.view(B, T, D, -1), self.grid)
 
-    @cached_property
+    @property
     def log_mass(self) -> torch.Tensor:
         """(B, N') fp32: log of how many tokens each merged token stands for (proportional attention);
-        computed once per plan, which every block of a level and step reuses."""
-        B, T, D = self.mass.shape
-        logs = self.mass.clamp_min(1e-6).log().view(B, T * D)
-        return logs if self.live is None else logs.index_select(1, self.live)
+        computed once per plan, which every block of a level and step reuses (kept in a field, not a
+        functools.cached_property, whose lock torch.compile cannot trace)."""
+        if self._log_mass is None:
+            B, T, D = self.mass.shape
+            logs = self.mass.clamp_min(1e-6).log().view(B, T * D)
+            self._log_mass = logs if self.live is None else logs.index_select(1, self.live)
+        return self._log_mass
 
     def destination_tokens(self) -> torch.Tensor:
         """(B, N') long raster index (in the frames x h x w grid) of each merged token's destination,
@@ -206,7 +235,7 @@ class IdentityPlan(TokenPlan):
     def destination_tokens(self) -> torch.Tensor:
         return torch.arange(self.num_merged, device=self.device).expand(self.batch_size, -1)
 
-    @cached_property
+    @property
     def log_mass(self) -> torch.Tensor:
         return torch.zeros(self.batch_size, self.num_merged, device=self.device)
 

@@ -120,6 +120,10 @@ class ReuseSchedule:
         start = self.start_percent if start_percent is None else start_percent
         return start <= progress and (progress < self.end_percent or self.end_percent >= 1.0)
 
+    def forget(self, group: Hashable) -> None:
+        """Forget one group's plan history (its next decision is a new group's)."""
+        self._last.pop(group, None)
+
     def decide(self, step: int, progress: float, group: Hashable, total: int | None = None) -> StepDecision:
         timing = self.timing(total)
         if not self.in_window(progress, timing.start_percent) or step % timing.merge_every:
@@ -139,6 +143,9 @@ class EveryCall:
 
     def reset(self) -> None:
         """Nothing to forget: no decision depends on an earlier one."""
+
+    def forget(self, group: Hashable) -> None:
+        """Nothing to forget."""
 
     def decide(self, step: int, progress: float, group: Hashable, total: int | None = None) -> StepDecision:
         return StepDecision(True, True, True)

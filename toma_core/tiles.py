@@ -9,7 +9,7 @@ belongs to exactly one window and all windows have the same shape (one batched m
 With one frame per window the windows are exactly the 2-D tiles of each frame.
 """
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -79,13 +79,15 @@ class TileGrid:
         """(frame windows, temporal_window, rows, window_size, cols, window_size) -> (T, S) in window and slot order."""
         return per_position.permute(0, 2, 4, 1, 3, 5).reshape(self.num_tiles, self.tile_size)
 
-    @cached_property
+    @property
     def valid(self) -> torch.Tensor:
-        """(T, S) bool: which tile slots hold a real token (False only for padding)."""
+        """(T, S) bool: which tile slots hold a real token (False only for padding); made on every read
+        (``grid_on`` keeps it per device: a functools.cached_property's lock cannot be traced by
+        torch.compile)."""
         frame, row, col = self._window_axes()
         return self._to_slots((frame < self.frames) & (row < self.h) & (col < self.w))
 
-    @cached_property
+    @property
     def tile_origin(self) -> torch.Tensor:
         """(T, S) long: raster index in the frames x h x w grid of each tile slot; a padding slot names
         the nearest real token (for positions of tokens)."""

@@ -12,10 +12,13 @@ from typing import NamedTuple
 UNET = "unet"  # the group of every UNet level (a UNet level is told apart by its downsampling)
 
 
-@dataclass(frozen=True)
-class Level:
+class Level(NamedTuple):
     """group: the block group ("unet"; a DiT's group, e.g. "two-stream", "joint", "video"). grid: the
-    token grid, (h, w) or (frames, h, w). downsample: a UNet level's downsampling (1, 2, 4, 8)."""
+    token grid, (h, w) or (frames, h, w). downsample: a UNet level's downsampling (1, 2, 4, 8).
+
+    A named tuple, not a dataclass: levels (and the plan keys holding them) are made inside the model
+    call, and under torch.compile what the traced code stores in the runtime must be something dynamo can
+    rebuild after the graph (a tuple; a frozen dataclass made in the trace leaves the frame to eager)."""
 
     group: str
     grid: tuple[int, ...]
@@ -110,6 +113,7 @@ class RunReport:
     clock: str
     wall_seconds: float | None
     caveats: tuple = ()
+    untimed: bool = False
 
     def summary(self) -> dict:
         """The report as JSON (stats message, run listeners): levels by label, each with its fields, in
@@ -127,6 +131,7 @@ class RunReport:
             "clock": self.clock,
             "wall_seconds": self.wall_seconds,
             "caveats": list(self.caveats),
+            "untimed": self.untimed,
         }
 
 

@@ -10,6 +10,7 @@ anything across sampling runs: the run-start hook the adapter installs (``instal
 (``model_sampling``) from the model being sampled. A model call outside any hooked run (a host without
 run hooks) starts a run of its own.
 """
+import contextlib
 import logging
 import time
 
@@ -21,6 +22,27 @@ from .stages import StageClock
 from .steps import StepLocator, Where
 
 log = logging.getLogger("ComfyUI-ToMA")
+FRESH = "a plan key not seen yet"  # the schedule's group for the decision a new key gets
+
+
+class ModelCall:
+    """What the runtime settled for one model call before the model runs (``MergeRuntime.begin_call``),
+    and what the call merged, applied to the run's stats after it (``MergeRuntime.end_call``).
+
+    Under torch.compile the block calls are traced: everything they read from here becomes a guard of the
+    graph, so they read only ``decisions`` (a few distinct values over a run: one graph per merge path)
+    and never the step, which changes every call; what they write (``merged``, ``built``, ``decisions``)
+    is replayed after the graph."""
+
+    def __init__(self, where: Where, decisions: dict, fresh: tuple[bool, bool, bool]):
+        self.where = where  # host side only: never read in a block call
+        self.decisions = decisions  # PlanKey -> (merge, new destinations, new weights)
+        self.fresh = fresh  # the decision of a plan key this run has not seen yet
+        self.first_seen: list = []  # such keys, handed to the schedule after the call
+        self.merged: dict = {}  # Level -> merged tokens of the plans used in this call
+        self.built: list = []  # (Level, plan) built in this call, for the merge map
+        self.shared: dict = {}  # (Level, rows) -> destinations a level's first block chose in this call
+        self.unmerged: dict = {}  # reason -> block calls of this call run unmerged (MergeRuntime.unmerged)
 
 
 class MergeRuntime:
@@ -38,8 +60,11 @@ class MergeRuntime:
         self.model_call: dict | None = None
         self.caveats: list[str] = []  # what the patched model does otherwise than its node asks (caveat)
         self._plans: dict[PlanKey, object] = {}
-        self._shared: dict = {}  # (level, rows) -> (step, destinations) where a level's blocks share them
+        self._shared: dict = {}  # (level, rows) -> the destinations a level's blocks share, chosen last
         self._generators: dict = {}  # device -> the run's generator, advanced by every plan built
+        self._keys: list[PlanKey] = []  # plan keys seen this run, in order: each call decides them first
+        self._call: ModelCall | None = None  # the model call running now, where a host hook announced it
+        self._loose = None  # (sigma tensor, ModelCall) of a call no host hook announced
         self._failed: set[PlanKey] = set()
         self._levels: dict[Level, LevelStats] = {}
         self._idle: set[str] = set()  # why this run merges nothing (strategy.merges_nothing)
@@ -68,7 +93,10 @@ class MergeRuntime:
         words: the key of the run report's ``unmerged``), and log ``message % args`` (saying that it runs
         unmerged, and why) the first time the patched model meets that reason. A host-side count, no tensor
         read: safe in a model call."""
-        self._unmerged[reason] = self._unmerged.get(reason, 0) + 1
+        # counted in the model call under way, added to the run's counts after it: a count read and
+        # written in a block call would be a guard of a compiled graph that fails on every call
+        counts = self._call.unmerged if self._call is not None else self._unmerged
+        counts[reason] = counts.get(reason, 0) + 1
         self._unreported = True  # a run whose blocks all ran unmerged still reports why
         key = ("unmerged", reason)
         if key not in self.notices:
@@ -87,8 +115,9 @@ class MergeRuntime:
     def begin_run(self, schedule=None, model_sampling=None):
         """A clean slate for a sampling run (``StepLocator.begin`` says what the arguments are)."""
         for cache in (self._plans, self._shared, self._generators, self._failed, self._levels, self._idle,
-                      self._left_to, self._unmerged):
+                      self._left_to, self._unmerged, self._keys):
             cache.clear()
+        self._call = self._loose = None
         self.stages.reset()
         self.strategy.schedule.reset()
         self.steps.begin(schedule, model_sampling)
@@ -101,6 +130,7 @@ class MergeRuntime:
     def end_run(self):
         """Report the run to the listeners, once (some samplers signal the end twice)."""
         self._in_run = False
+        self._flush_loose()
         if not self._unreported:
             return
         self._unreported = False
@@ -147,6 +177,84 @@ class MergeRuntime:
                 self.begin_run(None if schedule is None else schedule.tolist())
         return self.steps.locate(sigmas)
 
+    def around_model_call(self, apply_model, *args, **kwargs):
+        """Around one call of the model (``BaseModel.apply_model(x, t, ..., transformer_options)``): the
+        step is located and the plan decisions made before the model runs, outside the diffusion model
+        that torch.compile traces (ComfyUI's TorchCompileModel compiles only that); the stats are
+        updated after it."""
+        options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
+        x = kwargs.get("x", args[0] if args else None)
+        call = None if options is None else self.begin_call(options, getattr(x, "shape", (None,))[0])
+        self._call = call
+        try:
+            return apply_model(*args, **kwargs)
+        finally:
+            self._call = None
+            if call is not None:
+                self.end_call(call)
+
+    def apply_model_wrapper(self, executor, *args, **kwargs):
+        """Current ComfyUI's APPLY_MODEL wrapper: ``around_model_call``."""
+        return self.around_model_call(executor, *args, **kwargs)
+
+    def begin_call(self, transformer_options, batch: int | None) -> ModelCall | None:
+        """Locate a model call and decide, for every plan key this run has seen with the call's batch
+        layout, whether it merges and what it rebuilds (the schedule's decision, as its first block
+        would take it)."""
+        where = self.locate(transformer_options)
+        if where is None:
+            return None
+        device = transformer_options["sigmas"].device
+        self.stages.use(device)
+        self.generator(device)  # made here: a generator cannot be made (nor used) in traced code
+        layout = tuple(transformer_options.get("cond_or_uncond") or ())
+        decisions = {}
+        for key in self._keys:
+            if key.rows == (batch, layout) and key not in self._failed:
+                decisions[key] = self.decide(where, key)
+        fresh = self.decide(where, FRESH)
+        self.strategy.schedule.forget(FRESH)
+        return ModelCall(where, decisions, fresh)
+
+    def decide(self, where: Where, key: PlanKey) -> tuple[bool, bool, bool]:
+        """The schedule's decision for ``key`` at ``where``, as (merge, new destinations, new weights)."""
+        d = self.strategy.schedule.decide(where.step, where.progress, key, where.total)
+        return d.merge, d.new_destinations, d.new_weights
+
+    def end_call(self, call: ModelCall) -> None:
+        """What a model call merged, into the run's stats and the merge map's records; the plan keys it
+        saw first, to the schedule (decided as they were in the call: as new groups)."""
+        for key in call.first_seen:
+            self.decide(call.where, key)
+            self._keys.append(key)
+        for reason, count in call.unmerged.items():
+            self._unmerged[reason] = self._unmerged.get(reason, 0) + count
+        for level, merged in call.merged.items():
+            stats = self._levels.setdefault(level, LevelStats())
+            stats.tokens, stats.merged_tokens = level.tokens, merged
+            stats.steps.add(call.where.step)
+        for level, plan in call.built:
+            self.record(level, call.where.step, plan)
+        call.merged, call.built, call.first_seen, call.unmerged = {}, [], [], {}
+
+    def _loose_call(self, transformer_options) -> ModelCall | None:
+        """The ModelCall of a block call no host hook announced (a model called outside ComfyUI's sampler,
+        a host without the hook): one per sigma tensor, as the sampler hands each model call its own."""
+        sigmas = transformer_options.get("sigmas")
+        if sigmas is None:
+            return None
+        if self._loose is not None and self._loose[0] is sigmas:
+            return self._loose[1]
+        self._flush_loose()
+        x_batch = None  # the batch is read from the block's tokens by plan()
+        call = self.begin_call(transformer_options, x_batch)
+        self._loose = None if call is None else (sigmas, call)
+        return call
+
+    def _flush_loose(self) -> None:
+        if self._loose is not None:
+            self.end_call(self._loose[1])
+
     # -- plans --------------------------------------------------------------------------------
     def plan(self, level: Level, block, x, features, transformer_options):
         """The plan for this block call, or None to run it unmerged.
@@ -161,8 +269,8 @@ class MergeRuntime:
         if key in self._failed:
             self.unmerged("no plan", "%s leaves %s unmerged: it could not build a merge plan", self.name, level)
             return None
-        where = self.locate(transformer_options)
-        if where is None:
+        call = self._call if self._call is not None else self._loose_call(transformer_options)
+        if call is None:
             self.unmerged("no sampling step", "%s leaves %s unmerged: its model call carries no sigmas, so its "
                           "sampling step is unknown", self.name, level)
             return None
@@ -171,16 +279,19 @@ class MergeRuntime:
             self.notice("%s merges nothing: %s", self.name, idle)
             self._idle.add(idle)
             return None
-        decision = self.strategy.schedule.decide(where.step, where.progress, key, where.total)
-        if not decision.merge:
+        decision = call.decisions.get(key)
+        if decision is None:  # a key this run has not seen
+            decision = call.decisions[key] = call.fresh
+            call.first_seen.append(key)
+        merge, new_destinations, new_weights = decision
+        if not merge:
             return None
         plan = cached = self._plans.get(key)
-        if cached is None or decision.new_destinations or decision.new_weights:
-            self.stages.use(transformer_options["sigmas"].device)
+        if cached is None or new_destinations or new_weights:
             try:
                 with self.stage("select"):
-                    given = None if cached is None or decision.new_destinations else getattr(cached, "destinations", None)
-                    plan = self.build(level, rows, where.step, features, given)
+                    given = None if cached is None or new_destinations else getattr(cached, "destinations", None)
+                    plan = self.build(call, level, rows, features, given)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
                 self._failed.add(key)
                 self.unmerged("no plan", "%s leaves %s unmerged: it could not build a merge plan for %s (the error "
@@ -188,22 +299,22 @@ class MergeRuntime:
                 log.debug("ToMA: %s could not build a plan for %s", self.name, level, exc_info=True)
                 return None
             self._plans[key] = plan
-            self.record(level, where.step, plan)
-        stats = self._levels.setdefault(level, LevelStats())
-        stats.tokens, stats.merged_tokens = level.tokens, plan.num_merged
-        stats.steps.add(where.step)
+            call.built.append((level, plan))
+            call.decisions[key] = (True, False, False)  # later blocks of the key in this call reuse it
+        call.merged[level] = plan.num_merged
         return plan
 
-    def build(self, level: Level, rows: tuple, step: int, features, given):
+    def build(self, call: ModelCall, level: Level, rows: tuple, features, given):
         """A new plan for ``level`` with the ``given`` destinations (None: choose them); where the
-        strategy shares destinations within a level, the first block of a step chooses them for all."""
+        strategy shares destinations within a level, the first block of a call that chooses new ones
+        chooses them for all."""
         shared = (level, rows) if getattr(self.strategy, "shares_destinations", False) else None
-        if given is None and shared is not None and self._shared.get(shared, (None,))[0] == step:
-            given = self._shared[shared][1]  # another block of the level chose them this step
+        if given is None and shared is not None and shared in call.shared:
+            given = call.shared[shared]  # another block of the level chose them in this call
         feats = features()
         plan = self.strategy.build(feats, level.grid, self.generator(feats.device), given)
         if shared is not None and given is None and hasattr(plan, "destinations"):
-            self._shared[shared] = (step, plan.destinations)
+            call.shared[shared] = self._shared[shared] = plan.destinations
         return plan
 
     def leave(self, level: Level, transformer_options, taker, why: str = "changed its tokens first") -> str:
@@ -240,22 +351,29 @@ class MergeRuntime:
             log.exception("ToMA: could not record the plan of %s for the merge map", level)
 
     def stage(self, kind: str):
-        """Time the block as the merging stage ``kind`` ("select", "merge", "unmerge")."""
+        """Time the block as the merging stage ``kind`` ("select", "merge", "unmerge"); untimed while
+        torch.compile traces it (a clock read there would break the graph, and inside a compiled graph
+        there is no stage to time: the stats say the stages went untimed)."""
+        if torch.compiler.is_compiling():
+            self.stages.untimed = True
+            return contextlib.nullcontext()
         return self.stages.timing(kind)
 
     # -- reading ------------------------------------------------------------------------------
     def report(self) -> RunReport:
         """What this runtime knows of its current (or last) run (a snapshot; reading the stage times
         waits for the device)."""
+        self._flush_loose()
         wall = None if self._run_started is None else time.perf_counter() - self._run_started
         return RunReport(
             method=self.name, steps=self.steps.total, schedule=self.steps.schedule, short_run=self._short_run,
             levels={level: LevelStats(s.tokens, s.merged_tokens, set(s.steps), list(s.records))
                     for level, s in self._levels.items()},
-            plans=dict(self._plans), shared_destinations={k: v[1] for k, v in self._shared.items()},
+            plans=dict(self._plans), shared_destinations=dict(self._shared),
             left_to=dict(self._left_to), nothing_merges=tuple(sorted(self._idle)), failed=frozenset(self._failed),
             unmerged=dict(self._unmerged),
-            seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall, caveats=tuple(self.caveats))
+            seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall, caveats=tuple(self.caveats),
+            untimed=self.stages.untimed)
 
     def summary(self) -> dict:
         """The report as JSON (``RunReport.summary``), what the run listeners get."""

@@ -19,6 +19,7 @@ class StageClock:
         self.totals = dict.fromkeys(stages, 0.0)
         self.pending = []  # (stage, start event, end event) not read yet
         self.cuda = False
+        self.untimed = False  # some stages ran inside a compiled graph, where nothing times them
         # callables (stage, entering) told when a stage begins and ends, kept across resets: the cost
         # model (toma_bench.costmodel) tags the ops it records with them
         self.listeners = []
@@ -34,6 +35,7 @@ class StageClock:
     def reset(self) -> None:
         self.totals = dict.fromkeys(self.totals, 0.0)
         self.pending.clear()
+        self.untimed = False
 
     @contextlib.contextmanager
     def timing(self, stage: str):

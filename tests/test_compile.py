@@ -1,0 +1,48 @@
+"""ToMA under torch.compile, as ComfyUI's TorchCompileModel compiles a model (toma_bench.compiling): no
+graph break, no frame left to eager, at most one graph per merge path in a run (docs/architecture.md,
+"Under torch.compile"), no new graph in a second run, the eager output and the same plans.
+
+Dynamo's backend "eager" traces without generating code (cheap on the CPU) and finds every break and
+recompile the other backends would; one case runs "aot_eager". ComfyUI's sub-quadratic CPU attention asks
+psutil for the free memory in every call, a graph break of its own in every model: the tests hold that
+figure constant (compiling.constant_free_memory), as SDPA on a GPU asks nothing. The DiT families' rows
+are in tests/test_family_conformance.py.
+"""
+import pytest
+import torch
+
+import dit_checks
+from toma_bench import models, sampling
+
+pytestmark = pytest.mark.comfy
+
+UNET_TINY = dict(models.SD15_SMALL, model_channels=32, num_heads=2)
+STEPS = 6  # the default reuse interval is 5: steps 0 and 5 choose destinations, the others refresh weights
+
+
+@pytest.fixture(scope="module")
+def unet():
+    return models.build_unet("sd15", 0, config=UNET_TINY)
+
+
+def sample_unet(model):
+    conditioning = models.conditioning("sd15", 1, height=128, width=128)
+    return sampling.sample(model, conditioning, torch.zeros(1, 4, 16, 16), steps=STEPS, cfg=2.0)
+
+
+def test_unet_basic_node_compiles_clean(pack, unet):
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(unet, 0.5, 4, 5)
+    _, report = dit_checks.check_compiles_clean(pack, patched, sample_unet)
+    assert report.untimed, "stages inside the graph are not timed, and the report says so"
+
+
+@pytest.mark.parametrize("scope", ["attention", "keys/values", "queries", "block"])
+def test_unet_scopes_compile_clean(pack, unet, scope):
+    node = pack.nodes.toma_nodes.ToMAPatchModelAdvanced()
+    (patched,) = node.patch(unet, 0.5, 4, 5, scope=scope, levels="all", proportional_attention=scope != "block")
+    dit_checks.check_compiles_clean(pack, patched, sample_unet)
+
+
+def test_aot_eager_backend_compiles_clean(pack, unet):
+    (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(unet, 0.5, 4, 5)
+    dit_checks.check_compiles_clean(pack, patched, sample_unet, backend="aot_eager")
