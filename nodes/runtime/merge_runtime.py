@@ -322,7 +322,8 @@ class MergeRuntime:
         names that node, asked once per level and run; ``why``: what that node did, in words ("changed
         its tokens first": a UNet level; "took its blocks": DiT blocks of a token merge node nearer the
         sampler). The name."""
-        self.locate(transformer_options)  # the run reports even if no level of it merged
+        if self._call is None:  # announced calls were located before the model ran
+            self._loose_call(transformer_options)  # the run reports even if no level of it merged
         if level not in self._left_to:
             self._left_to[level] = LeftTo(taker(), why)
         return self._left_to[level].node
