@@ -60,6 +60,20 @@ def test_proportional_attention_changes_what_merged_keys_weigh(pack, sd15, scope
     assert relative_l2(weighed, plain) > 1e-4
 
 
+def test_proportional_attention_with_scope_block_is_said_not_honoured(pack, sd15, caplog):
+    """Whole blocks run their own attention on merged tokens: proportional attention is not honoured there,
+    and the log (once) and every run's stats say so; the output is scope block's without it."""
+    model, _ = sd15
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        patched = advanced(pack, model, "block", True)
+    out = sample(patched)
+    said = [r.getMessage() for r in caplog.records if "proportional attention is not honoured" in r.getMessage()]
+    assert len(said) == 1
+    assert any("proportional attention is not honoured" in c for c in
+               pack.nodes.runtime.runtime_of(patched).summary()["caveats"])
+    assert torch.equal(out, sample(advanced(pack, model, "block")))
+
+
 def test_keys_values_attend_with_full_queries_over_merged_keys(pack, sd15, monkeypatch):
     """The self-attention at 1/1 runs 1024 queries over 512 keys; "queries" the other way round."""
     import comfy.ldm.modules.attention as attention
@@ -136,7 +150,7 @@ def test_scope_outside_the_choices_is_refused_naming_it(pack, sd15):
 
 
 @pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
-@pytest.mark.parametrize("scope", ["keys/values", "queries"])
+@pytest.mark.parametrize("scope", ["queries"])  # keys/values: every DiT but SD3 (tests/test_family_conformance.py)
 def test_a_dit_falls_back_to_its_default_placement_and_says_so(pack, scope, caplog):
     model = models.build_flux(seed=0)
     with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
