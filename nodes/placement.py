@@ -93,13 +93,16 @@ PRESETS = {
     # 0.95x eager and 1.15x graph-replayed, 31.6 dB on the SDXL proxy (1.3 dB more than the earlier start 15%
     # with weights every step, which adds 40% more kernels a step: 0.94x eager)
     "sdxl": Preset(ATTENTION, levels="auto+next", start_percent=0.25, weights_interval=5),
-    # whole blocks, the first 40% of the schedule unmerged: on FLUX.1-dev 1.50x on the H200 clock at ratio
-    # 0.75, and 2.6 dB more on the 32x32-token Flux proxy than whole blocks from the first step at 0.5 (1.60x)
-    "dit": Preset(BLOCK, start_percent=0.4, short_run=ShortRun(8, reuse_interval=1)),
-    # whole blocks on one step in 2: at ratio 0.75 on Wan 2.1 14B 720p 1.64x on the H200 clock, with 3.4 dB
-    # more on the 32x32-token Wan proxy than whole blocks on every step at 0.5 (2.50x); docs/benchmarks.md
-    # says what a faster setting costs
-    "video": Preset(BLOCK, merge_every=2),
+    # whole blocks on every step at ratio 0.5: FLUX.1-dev 1024 1.38x eager and 1.61x graph-replayed on the
+    # H200 clock that prices the host (25 us per op), 21.96 dB on the Flux proxy at FLUX's 64x64 tokens; the
+    # earlier default (ratio 0.75 from 40% of the schedule) kept 23.02 dB but only 1.23x eager. In runs of up
+    # to 8 steps a new plan every step (docs/benchmarks.md, "The defaults, and why")
+    "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1)),
+    # keys and values of the self-attention (queries whole, nothing to unmerge), each block its own plan,
+    # proportional attention, every step: Wan 2.1 14B 720p about 1.96x at 21.35 dB on the Wan proxy (4
+    # clips), where the earlier default (whole blocks on one step in 2) gave 1.64x at 21.29 dB. In runs of
+    # up to 8 steps a new plan every step
+    "video": Preset(KEYS_VALUES, plan_per_block=True, proportional=True, short_run=ShortRun(8, reuse_interval=1)),
 }
 
 

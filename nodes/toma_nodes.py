@@ -126,9 +126,11 @@ class ToMAPatchModel(ModelPatchNode):
                    f"{in_words(family_names(video=False))} it merges the image tokens, on the video DiTs "
                    f"{in_words(family_names(video=True))} the video tokens, in windows over frames, of every "
                    "block but the first ~13-25% of each group (text tokens never; each Qwen-Image-Edit reference "
-                   "image by a plan of its own). DiT blocks run whole on merged tokens; the Advanced node's "
-                   "scope can merge only the keys and values of every DiT's self-attention but SD3's, or only "
-                   f"the attention of {in_words(attention_placement_families())} double blocks.")
+                   "image by a plan of its own). Image-DiT blocks run whole on merged tokens; on video DiTs only "
+                   "the self-attention's keys and values are merged. The Advanced node's scope can merge only the "
+                   "keys and values of every DiT's self-attention but SD3's, or only the attention of "
+                   f"{in_words(attention_placement_families())} double blocks. Runs of at most 8 steps build a "
+                   "new plan every step on DiTs.")
 
     @classmethod
     def INPUT_TYPES(cls):

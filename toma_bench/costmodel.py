@@ -91,6 +91,8 @@ SD35_LARGE = {
     "x_block_self_attn_layers": [],
 }
 WAN_14B = dict(models.WAN_1_3B, dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
+# Wan 2.2 TI2V 5B: 48-channel latents of its 16x16x4 VAE, patch (1, 2, 2)
+WAN22_5B = dict(models.WAN_1_3B, dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48)
 
 
 def _sd3_conditioning():
@@ -170,6 +172,10 @@ SPECS = {s.name: s for s in (
          WAN_14B, (1, 16, 21, 60, 104), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
     Spec("wan_720p", "Wan 2.1 14B 1280x720 x 81 frames (75,600 video + 512 text tokens), CFG 5",
          "WAN21_T2V", WAN_14B, (1, 16, 21, 90, 160), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
+    Spec("wan22_5b", "Wan 2.2 TI2V 5B 1280x704 x 121 frames (27,280 video + 512 text tokens), CFG 5", "WAN22_T2V",
+         WAN22_5B, (1, 48, 31, 44, 80), lambda: models.wan_conditioning(WAN22_5B, 1, 512, SEED)),
+    Spec("ltxv", "LTX-Video 2B 768x512 x 97 frames (4,992 video + 128 text tokens), CFG 3", "LTXV", models.LTXV_FULL,
+         (1, 128, 13, 16, 24), lambda: models.video_conditioning("ltxv", models.LTXV_FULL, 1, 128, SEED), cfg=3.0),
     # the 2026 families (ComfyUI v0.3.75 and later); Z-Image-Turbo samples in 8 steps without CFG
     Spec("z_image_turbo", "Z-Image-Turbo 1024x1024 (4096 image + 128 text tokens), CFG 1", "ZImage",
          models.Z_IMAGE_FULL, (1, 16, 128, 128), _text(2560, 128), steps=8, cfg=1.0),
