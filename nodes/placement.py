@@ -99,9 +99,10 @@ PRESETS = {
     # to 8 steps a new plan every step (docs/benchmarks.md, "The defaults, and why")
     "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1)),
     # keys and values of the self-attention (queries whole, nothing to unmerge), each block its own plan,
-    # proportional attention, every step: Wan 2.1 14B 720p about 1.96x at 21.35 dB on the Wan proxy (4
-    # clips), where the earlier default (whole blocks on one step in 2) gave 1.64x at 21.29 dB. In runs of
-    # up to 8 steps a new plan every step
+    # proportional attention, every step: 21.35 dB on the Wan proxy (4 clips), where the earlier default
+    # (whole blocks on one step in 2) kept 21.29 dB; Wan 2.1 14B 720p 1.97x with shared destinations on the
+    # clock that prices the host (15 steps), the earlier default 1.71x. In runs of up to 8 steps a new plan
+    # every step (4 steps: 1.96x at 21.50 dB, the earlier default 1.64x at 21.59 dB)
     "video": Preset(KEYS_VALUES, plan_per_block=True, proportional=True, short_run=ShortRun(8, reuse_interval=1)),
 }
 
