@@ -39,6 +39,9 @@ def transformer_blocks(diffusion_model):
     """[(dotted path relative to the BaseModel, block)] of every BasicTransformerBlock in the UNet."""
     from comfy.ldm.modules.attention import BasicTransformerBlock
 
+    # a compiled diffusion model left in place by an earlier clone's object patch (the pinned tree keeps
+    # object patches applied after sampling) names its modules under "_orig_mod.": paths must not
+    diffusion_model = getattr(diffusion_model, "_orig_mod", diffusion_model)
     return [(f"diffusion_model.{name}", m) for name, m in diffusion_model.named_modules()
             if isinstance(m, BasicTransformerBlock)]
 
