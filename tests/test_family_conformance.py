@@ -351,9 +351,11 @@ def test_keys_values_merges_only_keys_and_values(pack, row, model, case, caplog)
 def test_per_block_plans_plan_each_block_and_shared_destinations_share_the_first_blocks(pack, row, model):
     """plan_per_block: each merged block plans for itself (one plan per block, keyed by the block), so the
     output differs from one plan per group; with shared_destinations every block of a group weighs its own
-    tokens to the destinations its group's first block chose."""
-    shared = sample(row, dit_checks.toma_patched(pack, model)[0])
-    patched, runtime = dit_checks.toma_patched(pack, model, plan_per_block=True)
+    tokens to the destinations its group's first block chose. (The kind's scope is named: under "auto" the
+    video preset plans per block already.)"""
+    scope = pack.nodes.toma_nodes.preset_of(model).scope
+    shared = sample(row, dit_checks.toma_patched(pack, model, scope=scope)[0])
+    patched, runtime = dit_checks.toma_patched(pack, model, scope=scope, plan_per_block=True)
     own = sample(row, patched)
     plans = runtime.report().plans
     dm, family = model.model.diffusion_model, family_of(pack, row)
@@ -362,7 +364,8 @@ def test_per_block_plans_plan_each_block_and_shared_destinations_share_the_first
     assert {(key.level.group, key.block) for key in plans} == blocks
     several = len(blocks) > len({group for group, _ in blocks})  # a group of one merged block plans as before
     assert torch.equal(own, shared) != several
-    patched, runtime = dit_checks.toma_patched(pack, model, plan_per_block=True, shared_destinations=True)
+    patched, runtime = dit_checks.toma_patched(pack, model, scope=scope, plan_per_block=True,
+                                               shared_destinations=True)
     together = sample(row, patched)
     report = runtime.report()
     assert {(key.level.group, key.block) for key in report.plans} == blocks
