@@ -157,7 +157,11 @@ def test_a_run_on_a_tiny_proxy_prints_every_variant_and_draws(comfy, tmp_path):
         r"^(\S.*?)\s{2,}(\d+\.\d{3})x\s+(\d+\.\d)%\s+(inf|\d+\.\d\d)\s+\d\.\d{4}\s+\d\.\d{4}\s", out, re.M)}
     rows = {label: psnr for label, (_, _, psnr) in found.items()}
     assert rows["unpatched"] == "inf" and found["unpatched"][:2] == ("1.000", "0.0")
-    assert float(found["ToMA defaults r=0.75"][1]) > float(found["ToMA defaults r=0.5"][1]) > 0  # FLOPs saved
+    # FLOPs saved: both ratios save, and differently. Not ordered: at r=0.75 SD1.5's 1/1 level keeps 1,024
+    # tokens, within toma_core.plan.DENSE_MAX_MERGED, so its plans merge with dense operators (fewer
+    # kernels, more FLOPs) where r=0.5's stay windowed
+    saved = {r: float(found[f"ToMA defaults r={r}"][1]) for r in ("0.5", "0.75")}
+    assert min(saved.values()) > 0 and saved["0.5"] != saved["0.75"]
     assert "speed axis: modelled h200 (SD1.5 512x512" in out
     labels = [v.label for v in curves.toma_settings(FakeToMANodes, "sd15")]
     assert set(rows) == set(labels)
