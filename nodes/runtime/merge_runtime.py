@@ -329,8 +329,10 @@ class MergeRuntime:
         return self._left_to[level].node
 
     def merges(self, level: Level) -> bool:
-        """Whether this run merged ``level`` so far."""
-        return level in self._levels
+        """Whether this run merged ``level`` so far, the model call under way included (its merges reach
+        the run's stats only after the call: end_call)."""
+        calls = (self._call, self._loose[1] if self._loose is not None else None)
+        return level in self._levels or any(call is not None and level in call.merged for call in calls)
 
     def generator(self, device) -> torch.Generator:
         """The run's generator on ``device``, seeded with the strategy's seed at the run's first build."""
