@@ -70,7 +70,8 @@ def install_run_hooks(m, runtime) -> None:
     run's sigmas and the sampled model's noise schedule), ``runtime.end_run`` at its end, and
     ``runtime.around_model_call`` around every model call, outside the diffusion model (which is all that
     ComfyUI's TorchCompileModel compiles): current ComfyUI's APPLY_MODEL wrapper, else an object patch of
-    ``BaseModel.apply_model``."""
+    ``BaseModel.apply_model``. Where current ComfyUI has SAMPLER_SAMPLE wrappers, the sampler also reports
+    its steps to the runtime (``runtime.sampler_sample_wrapper``): no model call reads its sigma."""
     try:
         from comfy.patcher_extension import WrappersMP
     except ImportError:
@@ -78,6 +79,8 @@ def install_run_hooks(m, runtime) -> None:
     if WrappersMP is not None and hasattr(m, "add_wrapper_with_key"):
         m.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, runtime.outer_sample_wrapper)
         m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, runtime.apply_model_wrapper)
+        if hasattr(WrappersMP, "SAMPLER_SAMPLE"):
+            m.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, runtime.sampler_sample_wrapper)
         return
     extra_conds = original_attr(m, "extra_conds")
     base_model = m.model

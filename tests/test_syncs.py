@@ -1,5 +1,7 @@
-"""No host-device syncs in the hot path: at most one per model call (reading the step where the sampler
-hands it over), none per block call; a copy from the host inside a model call counts as one.
+"""No host-device syncs in the hot path: none in a model call where the host lets the sampler report its
+steps (current ComfyUI's SAMPLER_SAMPLE wrapper), at most one where it does not (the March-2024 tree: the
+step is read from the call's sigma); none per block call; a copy from the host inside a model call counts
+as one.
 
 Each method samples a small random-weight model twice through ComfyUI's own sampler; the second run
 (plan caches cleared, per-grid geometry already on the device) is watched by toma_bench.syncs.SyncCounter,
@@ -38,18 +40,29 @@ def watched_run(model, run) -> SyncCounter:
     return counter
 
 
+def sampler_reports_steps() -> bool:
+    """Whether the host wraps ``Sampler.sample`` (SAMPLER_SAMPLE), where the pack hands the sampler its
+    step callback."""
+    try:
+        from comfy.patcher_extension import WrappersMP
+    except ImportError:
+        return False
+    return hasattr(WrappersMP, "SAMPLER_SAMPLE")
+
+
 def check_bound(counter: SyncCounter, allowed_sites=()) -> None:
-    """At most one pack call per model call that makes the host wait (a read of a device value, or a copy
-    from the host, which waits for the work queued before it), apart from the events at ``allowed_sites``
-    (file:line prefixes) that the caller checks itself."""
+    """No pack call per model call that makes the host wait (a read of a device value, or a copy from the
+    host, which waits for the work queued before it) where the sampler reports its steps, at most one
+    elsewhere; apart from the events at ``allowed_sites`` (file:line prefixes) that the caller checks itself."""
+    bound = 0 if sampler_reports_steps() else 1
     inside = [e for e in counter.pack_events() if e.model_call is not None and not e.site.startswith(tuple(allowed_sites))]
     worst = max(counter.per_model_call(inside).values(), default=0)
     assert counter.model_calls >= STEPS
-    assert worst <= 1, f"up to {worst} host waits of the pack in one model call (bound: 1):\n{counter.report()}"
+    assert worst <= bound, f"up to {worst} host waits of the pack in one model call (bound: {bound}):\n{counter.report()}"
 
 
 @pytest.mark.parametrize("method", list(UNET_METHODS))
-def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, method, monkeypatch):
+def test_unet_sampling_host_waits_per_model_call_within_bound(pack, method, monkeypatch):
     node, inputs = UNET_METHODS[method]
     (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(models.build_unet("sd15", 0, config=UNET_TINY), **inputs)
     builds = []
@@ -73,7 +86,7 @@ def test_unet_sampling_waits_for_the_device_at_most_once_per_model_call(pack, me
 
 
 @pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
-def test_flux_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
+def test_flux_sampling_host_waits_per_model_call_within_bound(pack):
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_flux(seed=0), 0.5, 4, 5)
     runtime = pack.nodes.runtime.runtime_of(patched)
     conditioning = models.dit_conditioning("flux", models.FLUX_TINY, 1, 32, seed=0)
@@ -100,7 +113,7 @@ VIDEO_CALLS = {
 
 @pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
 @pytest.mark.parametrize("family", list(VIDEO_CALLS))
-def test_video_dit_sampling_waits_for_the_device_at_most_once_per_model_call(pack, family):
+def test_video_dit_sampling_host_waits_per_model_call_within_bound(pack, family):
     import comfy.sample
 
     build, arch, config, channels, extra = VIDEO_CALLS[family]
@@ -123,7 +136,7 @@ def test_video_dit_sampling_waits_for_the_device_at_most_once_per_model_call(pac
 
 
 @pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)
-def test_wan_sampling_waits_for_the_device_at_most_once_per_model_call(pack):
+def test_wan_sampling_host_waits_per_model_call_within_bound(pack):
     """Wan 2.2 5B TI2V image-to-video (a noise mask of 0 over the first frame: a timestep per frame), so the
     per-frame modulation rows are gathered too, with windows over 2 frames."""
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(models.build_wan("ti2v", seed=0), 0.5, 4, 5)

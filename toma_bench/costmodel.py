@@ -286,10 +286,13 @@ def variants_for(name: str, pack) -> list[Variant]:
 # -- recording a sampling run on the meta device --------------------------------------------------------
 def probe_sampler(model, x, sigmas, extra_args=None, callback=None, disable=None):
     """A sampler that calls the model once at every sigma and keeps ``x``: the outputs live on the meta
-    device, and what the model costs does not depend on their values."""
+    device, and what the model costs does not depend on their values. It reports each step it finishes
+    to ``callback``, as ComfyUI's k-diffusion samplers do (the pack locates model calls by those reports)."""
     s_in = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
-        model(x, sigmas[i] * s_in, **(extra_args or {}))
+        denoised = model(x, sigmas[i] * s_in, **(extra_args or {}))
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
     return x
 
 

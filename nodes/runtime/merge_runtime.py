@@ -155,6 +155,25 @@ class MergeRuntime:
         finally:
             self.end_run()
 
+    def sampler_sample_wrapper(self, executor, *args, **kwargs):
+        """Current ComfyUI's SAMPLER_SAMPLE wrapper, around ``Sampler.sample(guider, sigmas, extra_args,
+        callback, ...)`` inside the run: the sampler gets a callback that reports each finished step to the
+        step locator (then the preview's callback, where there is one), so model calls are located without
+        reading their sigma tensors (a device-to-host sync each on a GPU)."""
+        callback = kwargs.get("callback", args[3] if len(args) > 3 else None)
+
+        def report_step(step, *rest):
+            self.steps.report(step)
+            if callback is not None:
+                return callback(step, *rest)
+
+        if "callback" in kwargs or len(args) <= 3:
+            kwargs["callback"] = report_step
+        else:
+            args = args[:3] + (report_step,) + args[4:]
+        self.steps.follow_reports()
+        return executor(*args, **kwargs)
+
     def short_run_in_words(self, total: int | None) -> str | None:
         """How the strategy's schedule adapts to a run of ``total`` steps (its ``short_run``), in words;
         None where it does not."""
@@ -175,6 +194,10 @@ class MergeRuntime:
             if not self._in_run:
                 schedule = transformer_options.get("sample_sigmas")
                 self.begin_run(None if schedule is None else schedule.tolist())
+            if self.steps.silent():
+                self.steps.stop_following()
+                self.caveat(f"the sampler reported no step in {self.steps.SILENT_CALLS} model calls: from then "
+                            "on each model call's step is read from its sigma (one device read per model call)")
         return self.steps.locate(sigmas)
 
     def around_model_call(self, apply_model, *args, **kwargs):
