@@ -33,7 +33,7 @@ def main():
     comfy_host.import_core("cpu", require_flux=False)
     pack = comfy_host.load_pack()
     tn = pack.nodes.toma_nodes
-    out = {}
+    out = {"sampler_reports_steps": comfy_host.sampler_reports_steps()}
     sdxl = spec("sdxl", "SDXL", SDXL_TINY, (1, 4, 16, 16), lambda: models.conditioning("sdxl", 1, 77, 0, 128, 128), True)
     base, tome = costmodel.record_model(sdxl, pack, 5, [
         costmodel.Variant("unpatched", patch=lambda m: m),

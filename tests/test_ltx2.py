@@ -112,9 +112,11 @@ def test_half_ratio_merges_the_video_and_keeps_the_audio_close(pack, model, fram
 
 
 def test_the_audio_attends_to_the_full_video_and_the_video_to_merged_tokens(pack, model):
-    """In a merged block the video self-attention's keys come from the merged tokens, the video-to-audio
-    attention's from every video token (its context unmerged, each token with its own RoPE row)."""
-    patched, _ = dit_checks.toma_patched(pack, model)
+    """In a merged block (scope block: under the video kind's keys/values scope the keys are projected from
+    every token and then cut) the video self-attention's keys come from the merged tokens, the
+    video-to-audio attention's from every video token (its context unmerged, each token with its own RoPE
+    row)."""
+    patched, _ = dit_checks.toma_patched(pack, model, scope="block")
     block = model.model.diffusion_model.transformer_blocks[1]
     seen = {}
     def hook(name):

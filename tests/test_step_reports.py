@@ -5,7 +5,7 @@ back to the sigmas, saying so."""
 import pytest
 import torch
 
-from toma_bench import models, sampling
+from toma_bench import comfy_host, models, sampling
 
 pytestmark = pytest.mark.comfy
 
@@ -16,11 +16,7 @@ TOMA = {"ratio": 0.5, "window_size": 4, "reuse_interval": 2}
 @pytest.fixture
 def reporting_host(pack):
     """Skips where the ComfyUI tree (imported by ``pack``) has no SAMPLER_SAMPLE wrapper."""
-    try:
-        from comfy.patcher_extension import WrappersMP
-    except ImportError:
-        WrappersMP = None
-    if not hasattr(WrappersMP, "SAMPLER_SAMPLE"):
+    if not comfy_host.sampler_reports_steps():
         pytest.skip("this ComfyUI tree has no SAMPLER_SAMPLE wrapper: every model call reads its step from its sigma")
 
 

@@ -40,21 +40,11 @@ def watched_run(model, run) -> SyncCounter:
     return counter
 
 
-def sampler_reports_steps() -> bool:
-    """Whether the host wraps ``Sampler.sample`` (SAMPLER_SAMPLE), where the pack hands the sampler its
-    step callback."""
-    try:
-        from comfy.patcher_extension import WrappersMP
-    except ImportError:
-        return False
-    return hasattr(WrappersMP, "SAMPLER_SAMPLE")
-
-
 def check_bound(counter: SyncCounter, allowed_sites=()) -> None:
     """No pack call per model call that makes the host wait (a read of a device value, or a copy from the
     host, which waits for the work queued before it) where the sampler reports its steps, at most one
     elsewhere; apart from the events at ``allowed_sites`` (file:line prefixes) that the caller checks itself."""
-    bound = 0 if sampler_reports_steps() else 1
+    bound = 0 if comfy_host.sampler_reports_steps() else 1
     inside = [e for e in counter.pack_events() if e.model_call is not None and not e.site.startswith(tuple(allowed_sites))]
     worst = max(counter.per_model_call(inside).values(), default=0)
     assert counter.model_calls >= STEPS

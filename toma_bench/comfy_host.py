@@ -53,6 +53,15 @@ def has_flux(root: Path) -> bool:
     return (root / "comfy" / "ldm" / "flux" / "model.py").is_file()
 
 
+def sampler_reports_steps() -> bool:
+    """Whether the tree in use wraps ``Sampler.sample`` (SAMPLER_SAMPLE wrappers), where the pack hands the
+    sampler a callback and locates model calls by the steps it reports, reading no sigma. Reads the
+    tree's file, imports nothing."""
+    root = _state.get("root") or comfy_root()
+    extension = root / "comfy" / "patcher_extension.py"
+    return extension.is_file() and "SAMPLER_SAMPLE" in extension.read_text()
+
+
 CURRENT_ONLY = ("Flux/SD3 exist only in current ComfyUI (set COMFYUI_PATH, e.g. to the .comfyui-current made "
                 "by tests/setup_current.sh)")
 

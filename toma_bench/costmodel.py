@@ -113,9 +113,9 @@ LTX2_FRAME_RATE = 24  # LTX-2's templates: 121 frames at 24 fps, 127 audio laten
 def drive_ltx2(model, spec: Spec, sigmas: torch.Tensor, rec, runtimes: list) -> None:
     """LTX-2's model calls of one run, as the February-2026 tree's sampler makes them (the host's sampler
     cannot carry its [video, audio] latent): the patched clone loaded, each runtime told the run's sigmas
-    (as the pack's OUTER_SAMPLE wrapper is), the clone's wrappers and the step's sigma in
-    transformer_options, cond and uncond batched above CFG 1, each call recorded by ``rec``. The model's
-    inputs are on meta; the sigmas stay on the CPU, where the pack reads its step."""
+    and each step the sampler finishes (as the pack's OUTER_SAMPLE and SAMPLER_SAMPLE wrappers are), the
+    clone's wrappers and the step's sigma in transformer_options, cond and uncond batched above CFG 1, each
+    call recorded by ``rec``. The model's inputs are on meta; the sigmas stay on the CPU."""
     import comfy.model_management
     import comfy.patcher_extension
 
@@ -127,15 +127,18 @@ def drive_ltx2(model, spec: Spec, sigmas: torch.Tensor, rec, runtimes: list) -> 
     comfy.model_management.load_models_gpu([model])
     for runtime in runtimes:
         runtime.begin_run([float(s) for s in sigmas], model.get_model_object("model_sampling"))
+        runtime.steps.follow_reports()
     options = dict(model.model_options.get("transformer_options", {}))
     options["wrappers"] = comfy.patcher_extension.merge_nested_dicts({}, model.wrappers)
     options["sample_sigmas"] = sigmas
     with torch.no_grad():
-        for sigma in sigmas[:-1]:
+        for step, sigma in enumerate(sigmas[:-1]):
             options["sigmas"] = sigma.expand(batch)
             with rec.model_call():
                 model.model.diffusion_model([video, audio], to_meta(sigma.expand(batch)), context, None,
                                             frame_rate=LTX2_FRAME_RATE, transformer_options=dict(options))
+            for runtime in runtimes:
+                runtime.steps.report(step)
     for runtime in runtimes:
         runtime.end_run()
 
