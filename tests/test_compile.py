@@ -46,3 +46,13 @@ def test_unet_scopes_compile_clean(pack, unet, scope):
 def test_aot_eager_backend_compiles_clean(pack, unet):
     (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(unet, 0.5, 4, 5)
     dit_checks.check_compiles_clean(pack, patched, sample_unet, backend="aot_eager")
+
+
+def test_unet_stochastic_selection_compiles_clean(pack, unet):
+    # window_size 16 on the 16x16 latent's first level: one window of 256 tokens, above the exact greedy's
+    # 64, so destinations are chosen by stochastic greedy (its random keys come from a seed drawn before
+    # the model call, toma_core.selection)
+    node = pack.nodes.toma_nodes.ToMAPatchModelAdvanced()
+    (patched,) = node.patch(unet, 0.9, 16, 5)  # 26 picks of 256: a short trace
+    first, report = dit_checks.check_compiles_clean(pack, patched, sample_unet)
+    assert any(level.tokens > 64 for level in report.levels), "no window over 64 tokens: no stochastic selection"

@@ -251,6 +251,7 @@ def plan_tiles(
     generator: torch.Generator | None = None,
     temporal_window: int = 1,
     dense: bool | None = None,
+    seed: torch.Tensor | None = None,
 ) -> "MergePlan | IdentityPlan":
     """Build a ToMA plan from block features.
 
@@ -261,7 +262,9 @@ def plan_tiles(
     tau: softmax sharpness; large tau makes A hard and U = A^T the exact pseudo-inverse of M.
     exact: unmerge with the true pseudo-inverse of M (fp32), for soft tau.
     destinations: (B, T, D) from an earlier plan of the same grid, to refresh only the weights.
-    generator: seeded generator for the stochastic selector used on large tiles.
+    generator, seed: the stochastic selector's randomness on tiles over 64 tokens: a seed tensor drawn before
+    traced code (``selection.draw_seed``), else one drawn from the generator here, else seed 0
+    (``selection.stochastic_facility_location``).
     dense: also hold the operators dense (MergePlan.dense); None: as ``dense_operators`` decides.
     Weights are computed in fp32 and returned in x's dtype.
     """
@@ -275,7 +278,7 @@ def plan_tiles(
     if destinations is None:
         # a grid without padding has no slot to mask, and one whose tiles all keep D destinations no slot unused
         destinations = select_by_similarity(unit_similarity(feats), D, valid if grid.padded else None,
-                                            generator=generator)
+                                            generator=generator, seed=seed)
         if geometry.live is not None:
             destinations = destinations.masked_fill(~live_slot, -1)
     elif destinations.shape[1:] != (grid.num_tiles, D) or destinations.shape[0] != x.shape[0]:

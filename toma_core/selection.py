@@ -3,6 +3,14 @@
 F(D) = sum_j max_{i in D} sim(i, j) is monotone submodular when sim >= 0, so greedy picking reaches at
 least (1 - 1/e) of the best D of the same size. All sets are processed at once: one loop over the k
 picks, no loop over tiles or tokens.
+
+Stochastic greedy's random candidates come from a counter-based hash of a seed tensor (``random_keys``),
+not from a ``torch.Generator``: selection runs inside the diffusion model, which ComfyUI's
+TorchCompileModel traces, and dynamo cannot pass a generator to an op (a graph break at every plan
+built). The seed, one int64 scalar tensor, is drawn from the run's generator before the model call
+(``draw_seed``, outside the traced code); inside, the keys are a few integer ops on it and an arange, so
+they trace into the graph, cost no host-device sync, and the same seed gives the same picks eagerly and
+compiled. Never the global RNG: selection without a seed uses seed 0.
 """
 import math
 
@@ -12,6 +20,46 @@ import torch
 # attention it saves (measured: 1-3% at S <= 64, 30-80% at S = 256), so we switch to stochastic greedy.
 EXACT_GREEDY_MAX_TILE = 64
 STOCHASTIC_EPSILON = 0.01
+# Stochastic greedy hashes the random keys of this many picks at once: in eager code a dozen integer
+# kernels per chunk instead of per pick (on a GPU fed by the host the launches are the cost), at a
+# transient (chunk, sets, S) int64 buffer (19 MB for 150k tokens)
+KEY_CHUNK = 16
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2^32 / the golden ratio: consecutive streams land far apart
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of [0, 2^32) held in int64: the xor-shift-multiply shape of the "lowbias32" hash, with
+    odd multipliers below 2^31 so that no product of a 32-bit value leaves int64 (overflow would be
+    undefined in C++, and kernels of other backends might not wrap alike)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def draw_seed(generator: torch.Generator) -> torch.Tensor:
+    """A seed for the stochastic selection: an int64 scalar in [0, 2^32) drawn from ``generator`` on its
+    device (no host-device sync)."""
+    return torch.randint(1 << 32, (), generator=generator, device=generator.device)
+
+
+def seed_stream(seed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n``-th seed derived from ``seed`` (the builds of one model call share the call's seed, each
+    with its own stream): traceable integer ops, no draw."""
+    return _mix32((seed + n * _GOLDEN) & _M32)
+
+
+def random_keys(seed: torch.Tensor, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+    """``shape`` float32 keys uniform in [0, 1) (multiples of 2^-24): element j (row-major) is a hash of
+    the counter ``offset + j`` and ``seed`` (an int64 scalar tensor, its low 32 bits), so any part of a stream is computed on its own. Counters wrap
+    at 2^32 (a selection would need a 16 GB similarity to reach it)."""
+    count = math.prod(shape)
+    counters = torch.arange(offset, offset + count, device=seed.device).view(shape) & _M32
+    # hash the counter, then again with the seed mixed in: streams of two seeds are unrelated, not shifted
+    return (_mix32(_mix32(counters) ^ (seed & _M32)) >> 8).float().mul_(2.0 ** -24)
 
 
 def cosine_similarity(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +87,7 @@ def facility_location(sim: torch.Tensor, k: int, valid: torch.Tensor | None = No
     Returns (..., k) long indices in pick order, no duplicates. Where a set has fewer than k valid
     tokens, the slots after the last valid pick are -1.
     """
-    return _greedy(sim, k, valid, sample_size=None, generator=None)
+    return _greedy(sim, k, valid, sample_size=None, seed=None)
 
 
 def stochastic_facility_location(
@@ -48,35 +96,52 @@ def stochastic_facility_location(
     valid: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     epsilon: float = STOCHASTIC_EPSILON,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stochastic greedy (Mirzasoleiman et al., 2015): each pick scores only a random sample of
     ceil(S/k * ln(1/epsilon)) candidates, giving (1 - 1/e - epsilon) in expectation at O(S) per pick
-    instead of O(S^2). Same arguments and result as :func:`facility_location`."""
+    instead of O(S^2). Same arguments and result as :func:`facility_location`. The samples are drawn by
+    ``random_keys`` from ``seed`` (an int64 scalar tensor on sim's device, ``draw_seed``; what traced code
+    passes), else from a seed drawn from ``generator``, else from seed 0."""
     S = sim.shape[-1]
     sample = max(1, min(S, math.ceil(S / max(k, 1) * math.log(1.0 / epsilon))))
-    return _greedy(sim, k, valid, sample_size=sample, generator=generator)
+    return _greedy(sim, k, valid, sample_size=sample, seed=_seed(sim, generator, seed))
+
+
+def _seed(sim: torch.Tensor, generator: torch.Generator | None, seed: torch.Tensor | None) -> torch.Tensor:
+    if seed is not None:
+        return seed
+    if generator is not None:
+        # a CPU generator may serve a meta-device plan (the cost model's recordings): moving a scalar from
+        # the CPU there reads nothing; an accelerator's plans get a generator of their own device
+        return draw_seed(generator).to(sim.device)
+    return torch.zeros((), dtype=torch.long, device=sim.device)
 
 
 def select_destinations(
-    features: torch.Tensor, k: int, valid: torch.Tensor | None = None, generator: torch.Generator | None = None
+    features: torch.Tensor, k: int, valid: torch.Tensor | None = None, generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(..., S, C) tile features -> (..., k) destination indices; exact greedy for small tiles,
-    stochastic greedy above ``EXACT_GREEDY_MAX_TILE`` tokens per tile."""
-    return select_by_similarity(cosine_similarity(features), k, valid, generator)
+    stochastic greedy above ``EXACT_GREEDY_MAX_TILE`` tokens per tile (random from ``seed`` or
+    ``generator``: see :func:`stochastic_facility_location`)."""
+    return select_by_similarity(cosine_similarity(features), k, valid, generator, seed)
 
 
-def select_by_similarity(sim, k, valid=None, generator=None) -> torch.Tensor:
+def select_by_similarity(sim, k, valid=None, generator=None, seed=None) -> torch.Tensor:
     """:func:`select_destinations` from a ready (..., S, S) similarity."""
     if sim.shape[-1] <= EXACT_GREEDY_MAX_TILE:
         return facility_location(sim, k, valid)
-    return stochastic_facility_location(sim, k, valid, generator=generator)
+    return stochastic_facility_location(sim, k, valid, generator=generator, seed=seed)
 
 
-def _greedy(sim, k, valid, sample_size, generator):
+def _greedy(sim, k, valid, sample_size, seed):
     """Every set's k picks at once. A pick costs a handful of kernels (the loop runs k times per plan, and
     on a fast GPU the host's launches, not the arithmetic, are the cost): non-candidates carry a -inf
     penalty instead of a mask, the running best (value and index) comes from one max, and a set whose
-    valid tokens are all picked is told apart after the loop by its -inf gains."""
+    valid tokens are all picked is told apart after the loop by its -inf gains. Stochastic picks take
+    their random keys from ``seed``, ``KEY_CHUNK`` picks' worth at a time: pick i's key of slot j in set p
+    is counter (i * P + p) * S + j of the seed's stream."""
     *batch, S, S2 = sim.shape
     if S != S2:
         raise ValueError(f"sim must be square in its last two dims, got {tuple(sim.shape)}")
@@ -97,7 +162,9 @@ def _greedy(sim, k, valid, sample_size, generator):
         if sample_size is None:
             gain, best = ((sim - cover[:, None, :]).clamp_min_(0.0).sum(-1) + penalty).max(-1)
         else:
-            keys = torch.rand(P, S, device=sim.device, generator=generator) + penalty
+            if i % KEY_CHUNK == 0:
+                chunk = random_keys(seed, (min(KEY_CHUNK, k - i), P, S), offset=i * P * S)
+            keys = chunk[i % KEY_CHUNK] + penalty
             cand = keys.topk(sample_size, dim=-1).indices  # (P, R)
             cand_rows = rows.index_select(0, (cand + row_of_set[:, None]).view(-1)).view(P, sample_size, S)
             gain = (cand_rows - cover[:, None, :]).clamp_min_(0.0).sum(-1) + penalty.gather(1, cand)

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ...toma_core.selection import draw_seed, seed_stream
 from .levels import Level, LeftTo, LevelStats, PlanKey, RunReport, batch_key, grid_in_words
 from .records import record_plan
 from .stages import StageClock
@@ -32,12 +33,15 @@ class ModelCall:
     Under torch.compile the block calls are traced: everything they read from here becomes a guard of the
     graph, so they read only ``decisions`` (a few distinct values over a run: one graph per merge path)
     and never the step, which changes every call; what they write (``merged``, ``built``, ``decisions``)
-    is replayed after the graph."""
+    is replayed after the graph. The call's random seed (``seed``) is drawn here too, for the same reason:
+    a generator cannot be used in traced code, a seed tensor is a graph input like any other."""
 
-    def __init__(self, where: Where, decisions: dict, fresh: tuple[bool, bool, bool]):
+    def __init__(self, where: Where, decisions: dict, fresh: tuple[bool, bool, bool], seed: torch.Tensor | None):
         self.where = where  # host side only: never read in a block call
         self.decisions = decisions  # PlanKey -> (merge, new destinations, new weights)
         self.fresh = fresh  # the decision of a plan key this run has not seen yet
+        self.seed = seed  # int64 scalar from the run's generator, for a strategy that draws_seed
+        self.seeds_taken = 0  # plans built from it in this call: each takes the next stream of it
         self.first_seen: list = []  # such keys, handed to the schedule after the call
         self.merged: dict = {}  # Level -> merged tokens of the plans used in this call
         self.built: list = []  # (Level, plan) built in this call, for the merge map
@@ -229,7 +233,8 @@ class MergeRuntime:
             return None
         device = transformer_options["sigmas"].device
         self.stages.use(device)
-        self.generator(device)  # made here: a generator cannot be made (nor used) in traced code
+        generator = self.generator(device)  # made here: a generator cannot be made (nor used) in traced code
+        seed = draw_seed(generator).to(device) if getattr(self.strategy, "draws_seed", False) else None
         layout = tuple(transformer_options.get("cond_or_uncond") or ())
         decisions = {}
         for key in self._keys:
@@ -237,7 +242,7 @@ class MergeRuntime:
                 decisions[key] = self.decide(where, key)
         fresh = self.decide(where, FRESH)
         self.strategy.schedule.forget(FRESH)
-        return ModelCall(where, decisions, fresh)
+        return ModelCall(where, decisions, fresh, seed)
 
     def decide(self, where: Where, key: PlanKey) -> tuple[bool, bool, bool]:
         """The schedule's decision for ``key`` at ``where``, as (merge, new destinations, new weights)."""
@@ -335,7 +340,12 @@ class MergeRuntime:
         if given is None and shared is not None and shared in call.shared:
             given = call.shared[shared]  # another block of the level chose them in this call
         feats = features()
-        plan = self.strategy.build(feats, level.grid, self.generator(feats.device), given)
+        if call.seed is None:
+            plan = self.strategy.build(feats, level.grid, self.generator(feats.device), given)
+        else:  # the next stream of the call's seed, where the block's tokens are (a no-op on one device)
+            seed = seed_stream(call.seed, call.seeds_taken).to(feats.device)
+            call.seeds_taken += 1
+            plan = self.strategy.build(feats, level.grid, None, given, seed=seed)
         if shared is not None and given is None and hasattr(plan, "destinations"):
             call.shared[shared] = self._shared[shared] = plan.destinations
         return plan
@@ -358,7 +368,9 @@ class MergeRuntime:
         return level in self._levels or any(call is not None and level in call.merged for call in calls)
 
     def generator(self, device) -> torch.Generator:
-        """The run's generator on ``device``, seeded with the strategy's seed at the run's first build."""
+        """The run's generator on ``device``, seeded with the strategy's seed at the run's first model call
+        (a strategy that ``draws_seed`` draws one seed from it per model call, the others draw from it in
+        every build)."""
         if device not in self._generators:
             # the meta device has no generator: plans built there (the cost model, toma_bench.costmodel,
             # records real-size models on it) draw their random numbers on the CPU
