@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from toma_core import cosine_similarity, facility_location, plan_tiles, select_destinations, stochastic_facility_location
+from toma_core.selection import KEY_CHUNK, draw_seed, random_keys, seed_stream
 
 
 def gen(seed: int) -> torch.Generator:
@@ -199,6 +200,51 @@ def test_select_destinations_switches_to_stochastic_above_64_tokens():
     large = torch.randn(3, 100, 8, generator=g)
     got = select_destinations(large, 20, generator=gen(9))
     assert torch.equal(got, stochastic_facility_location(cosine_similarity(large), 20, generator=gen(9)))
+
+
+def test_random_keys_are_uniform_and_any_part_of_a_stream_stands_alone():
+    seed = draw_seed(gen(3))
+    keys = random_keys(seed, (4, 25_000))
+    assert keys.dtype == torch.float32 and keys.min() >= 0 and keys.max() < 1
+    # uniform: every tenth of [0, 1) holds its share (binomial sd 95 of 10,000), neighbours uncorrelated
+    assert (torch.histc(keys, 10, 0, 1) - 10_000).abs().max() < 500
+    flat = keys.flatten()
+    assert abs(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1]) < 0.01
+    # counters: a part computed on its own equals the same part of the whole (stochastic greedy hashes
+    # its picks' keys KEY_CHUNK at a time)
+    assert torch.equal(random_keys(seed, (3, 1000), offset=37_000), flat[37_000:40_000].view(3, 1000))
+    assert torch.equal(random_keys(seed, (4, 25_000)), keys)
+    # other seeds, even one apart, and other streams of a seed give unrelated keys
+    for other in (seed + 1, seed_stream(seed, 0), seed_stream(seed, 1)):
+        assert abs(torch.corrcoef(torch.stack([flat, random_keys(other, (100_000,))]))[0, 1]) < 0.01
+    with pytest.raises(ValueError, match="2\\^32"):
+        random_keys(seed, (10,), offset=(1 << 32) - 5)
+
+
+def test_stochastic_greedy_draws_from_its_seed_never_from_the_global_rng():
+    sims = cosine_similarity(torch.randn(3, 100, 8, generator=gen(12)))
+    state = torch.get_rng_state()
+    unseeded = stochastic_facility_location(sims, 3 * KEY_CHUNK // 2)  # picks past a chunk of keys
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(unseeded, stochastic_facility_location(sims, 3 * KEY_CHUNK // 2))
+    # a generator draws one seed: passing that seed (what traced code does) picks the same
+    seeded = stochastic_facility_location(sims, 20, seed=draw_seed(gen(4)))
+    assert torch.equal(seeded, stochastic_facility_location(sims, 20, generator=gen(4)))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_stochastic_greedy_traces_into_one_graph_with_its_seed_as_an_input():
+    # what ComfyUI's TorchCompileModel does to a plan built in a block call: no graph break (fullgraph),
+    # the same picks as eagerly, and no recompile for the next model call's seed
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    sims = cosine_similarity(torch.randn(2, 100, 8, generator=gen(13)))
+    select = torch.compile(lambda sim, seed: stochastic_facility_location(sim, 20, seed=seed), backend="eager",
+                           fullgraph=True)
+    for n in range(2):
+        seed = draw_seed(gen(n))
+        assert torch.equal(select(sims, seed), stochastic_facility_location(sims, 20, seed=seed))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_cosine_similarity_range_and_zero_vectors():

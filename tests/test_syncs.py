@@ -22,6 +22,8 @@ UNET_TINY = dict(models.SD15_SMALL, model_channels=32, num_heads=2)
 STEPS = 6  # ToMA's default reuse interval is 5: steps 0 and 5 build plans, the others reuse them
 UNET_METHODS = {
     "ToMA": ("ToMAPatchModel", {"ratio": 0.5, "window_size": 4, "reuse_interval": 5}),
+    # one 256-token window on the 16x16 level: stochastic greedy, from a seed drawn before each model call
+    "ToMA stochastic": ("ToMAPatchModel", {"ratio": 0.5, "window_size": 16, "reuse_interval": 5}),
     "ToMeSD": ("ToMeSDPatchModel", {"ratio": 0.5, "max_downsample": 2}),
     "CA-ToMe": ("CAToMePatchModel", {"threshold": 0.5, "max_downsample": 2}),
 }
