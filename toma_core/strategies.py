@@ -9,11 +9,11 @@
 stats (None: plans may merge).
 ``destinations``: those of the group's last plan, given when the schedule asks for new weights only.
 ``generator``: one per sampling run, advanced by every build (as tomesd advances one generator), so
-every block and step draws new random cells. A strategy with ``draws_seed`` (ToMA) is given no generator
-but a ``seed`` tensor instead (``selection.draw_seed``, one per model call, a stream of it per build:
-``selection.seed_stream``), drawn before the model call, since a block call under torch.compile cannot
-draw from a generator. ``shares_plans``: one plan serves all blocks of a group
-(a UNet level, a DiT block group) in a step, or each block call matches for itself (ToMA's
+every block and step draws new random cells. A strategy whose ``draws_seed`` is true (ToMA with windows
+over 64 tokens) is given no generator but a ``seed`` tensor instead (``selection.draw_seed``, one per
+model call, a stream of it per build: ``selection.seed_stream``), drawn before the model call, since a
+block call under torch.compile cannot draw from a generator. ``shares_plans``: one plan serves all blocks
+of a group (a UNet level, a DiT block group) in a step, or each block call matches for itself (ToMA's
 ``shares_destinations``: with the group's destinations).
 """
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ import torch
 from .baselines import CheckpointSchedule, catome_plan, tomesd_plan
 from .plan import DEFAULT_TAU, plan_tiles
 from .schedule import EveryCall, ReuseSchedule
+from .selection import EXACT_GREEDY_MAX_TILE
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,18 @@ class ToMA:
     name = "ToMA"
     patches_dits = True
 
-    # its randomness (stochastic selection) comes from a seed tensor the runtime draws before each model call
-    # and hands to ``build`` as ``seed``: traced code cannot draw from a generator (toma_core.selection)
-    draws_seed = True
-
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None, seed=None):
         return plan_tiles(features, grid, self.window_size, self.ratio, self.tau, self.exact,
                           destinations=destinations, generator=generator, temporal_window=self.temporal_window,
                           seed=seed)
+
+    @property
+    def draws_seed(self) -> bool:
+        """Whether a window can hold over ``EXACT_GREEDY_MAX_TILE`` tokens, where selection is stochastic:
+        its randomness comes from a seed tensor the runtime draws before each model call and hands to
+        ``build`` as ``seed`` (traced code cannot draw from a generator: toma_core.selection). Smaller
+        windows select exactly and need no draw."""
+        return self.window_size ** 2 * self.temporal_window > EXACT_GREEDY_MAX_TILE
 
     def merges_nothing(self, grid) -> str | None:
         start, end = self.schedule.start_percent, self.schedule.end_percent
