@@ -1,7 +1,7 @@
 """The baselines sample as their references do, through ComfyUI's sampler on a small SD1.5-layout UNet:
-ToMeSD draws its random cells from one generator per sampling run, advanced by every block call (as
-tomesd advances one generator), and CA-ToMe computes matches at the steps its reference pipeline does
-(it counts steps from 1)."""
+ToMeSD draws its random cells from one generator per sampling run (as tomesd advances one generator),
+new ones in every block call (hashed from a seed the generator draws before each model call); CA-ToMe
+computes matches at the steps its reference pipeline does (it counts steps from 1)."""
 import logging
 
 import pytest

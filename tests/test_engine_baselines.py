@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from toma_core import CATOME_CONFIG3, CheckpointSchedule, catome_checkpoints, catome_plan, tomesd_plan
+from toma_core.selection import seed_stream
 
 
 def reference_matching(x: torch.Tensor, hw, seed: int | None, sx: int = 2, sy: int = 2):
@@ -67,6 +68,27 @@ def test_tomesd_matches_a_direct_re_derivation(hw, seed):
             assert torch.equal(restored[b, src[i]], y[b, pos])
         for i in moving:
             assert torch.equal(restored[b, src[i]], y[b, n_keep + best[b][i]])
+
+
+def test_tomesd_cells_from_a_seed_are_uniform_and_new_in_every_stream():
+    """A seed (an int64 scalar tensor, as the runtime draws before each model call) places one destination
+    in every cell, at a position uniform over the cell; the same seed places it again, each stream of the
+    seed elsewhere."""
+    h, w, sx, sy = 60, 40, 2, 3
+    x = torch.randn(1, h * w, 4, generator=torch.Generator().manual_seed(4))
+    seed = torch.tensor(12345, dtype=torch.long)
+    plan = tomesd_plan(x, (h, w), 0.5, sx=sx, sy=sy, seed=seed)
+    rows, cols = plan.dst_index[0] // w, plan.dst_index[0] % w
+    cells = ((rows // sy) * (w // sx) + cols // sx).sort().values
+    assert torch.equal(cells, torch.arange((h // sy) * (w // sx)))  # one per cell
+    position = (rows % sy) * sx + cols % sx
+    counts = torch.bincount(position, minlength=sx * sy).float()
+    assert counts.min() > 0.75 * counts.mean() and counts.max() < 1.25 * counts.mean()  # 400 cells: 6 positions
+    again = tomesd_plan(x, (h, w), 0.5, sx=sx, sy=sy, seed=seed.clone())
+    assert torch.equal(again.dst_index, plan.dst_index) and torch.equal(again.merged, plan.merged)
+    others = {tuple(tomesd_plan(x, (h, w), 0.5, sx=sx, sy=sy, seed=seed_stream(seed, n)).dst_index[0].tolist())
+              for n in range(4)}
+    assert len(others) == 4 and tuple(plan.dst_index[0].tolist()) not in others
 
 
 def test_tomesd_unmerge_of_merge_restores_unmerged_tokens():

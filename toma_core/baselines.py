@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .plan import TokenPlan, check_merged_shape
 from .schedule import StepDecision
+from .selection import random_keys
 
 # CA-ToMe's best configuration (paper Table II, "CONFIG 3"): steps of a 50-step run, counted from 1 as
 # its reference pipeline counts them, at which the matches are recomputed; other steps reuse the last ones.
@@ -66,21 +67,28 @@ class BipartitePlan(TokenPlan):
 
 
 def grid_destinations(
-    hw: tuple[int, int], sx: int, sy: int, generator: torch.Generator | None, device=None
+    hw: tuple[int, int], sx: int, sy: int, generator: torch.Generator | None, device=None,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One destination per sy x sx cell (random inside the cell with a generator, top-left without).
-    Border rows/columns that do not fill a cell are all sources. Returns (src_index, dst_index), raster,
-    both ascending, on ``device`` (default: the generator's device, else the CPU).
+    """One destination per sy x sx cell: random inside the cell with a ``seed`` (an int64 scalar tensor,
+    hashed by ``selection.random_keys``: traceable, as a block call under torch.compile cannot draw from a
+    generator) or a generator, top-left without either. Border rows/columns that do not fill a cell are
+    all sources. Returns (src_index, dst_index), raster, both ascending, on ``device`` (default: where the
+    seed is or the generator draws, else the CPU).
 
-    Everything is computed where the generator draws, and every size is known from the grid shape, so
+    Everything is computed where the cells are drawn, and every size is known from the grid shape, so
     nothing is read back from the device (tomesd draws on the device, then sorts indices out on the CPU)."""
     h, w = hw
     hs, ws = h // sy, w // sx
-    where = generator.device if generator is not None else (device or "cpu")
-    if generator is None:
-        pick = torch.zeros(hs, ws, dtype=torch.long, device=where)
-    else:
+    if seed is not None:
+        where = seed.device
+        pick = (random_keys(seed, (hs, ws)) * (sy * sx)).long()  # keys in [0, 1): a cell's position, uniform
+    elif generator is not None:
+        where = generator.device
         pick = torch.randint(sy * sx, (hs, ws), generator=generator, device=where)
+    else:
+        where = device or "cpu"
+        pick = torch.zeros(hs, ws, dtype=torch.long, device=where)
     rows = torch.arange(hs, device=where)[:, None] * sy + pick // sx
     cols = torch.arange(ws, device=where)[None, :] * sx + pick % sx
     dst = (rows * w + cols).flatten().sort().values
@@ -111,13 +119,15 @@ def tomesd_plan(
     sx: int = 2,
     sy: int = 2,
     generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
 ) -> BipartitePlan:
     """ToMeSD's bipartite soft matching on x (B, N, C): r = int(N * ratio) sources merged, capped at the
     number of sources (so ratio is capped at 1 - 1/(sx*sy)). Destinations are shared across the batch,
-    as in tomesd; ``generator`` seeds their random position in each cell (None: top-left)."""
+    as in tomesd; ``seed`` (an int64 scalar tensor) or else ``generator`` draws their random position in
+    each cell (neither: top-left)."""
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"ratio must be in [0, 1), got {ratio}")
-    src_index, dst_index = grid_destinations(hw, sx, sy, generator, x.device)
+    src_index, dst_index = grid_destinations(hw, sx, sy, generator, x.device, seed)
     score, target = _match(x, src_index, dst_index)
     r = min(int(x.shape[1] * ratio), src_index.shape[1])
     return _bipartite(x, src_index, dst_index, score, target, r)

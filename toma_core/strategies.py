@@ -10,9 +10,9 @@ stats (None: plans may merge).
 ``destinations``: those of the group's last plan, given when the schedule asks for new weights only.
 ``generator``: one per sampling run, advanced by every build (as tomesd advances one generator), so
 every block and step draws new random cells. A strategy whose ``draws_seed`` is true (ToMA with windows
-over 64 tokens) is given no generator but a ``seed`` tensor instead (``selection.draw_seed``, one per
-model call, a stream of it per build: ``selection.seed_stream``), drawn before the model call, since a
-block call under torch.compile cannot draw from a generator. ``shares_plans``: one plan serves all blocks
+over 64 tokens, ToMeSD) is given no generator but a ``seed`` tensor instead (``selection.draw_seed``, one
+per model call from the run's generator, a stream of it per build: ``selection.seed_stream``), drawn
+before the model call, since a block call under torch.compile cannot draw from a generator. ``shares_plans``: one plan serves all blocks
 of a group (a UNet level, a DiT block group) in a step, or each block call matches for itself (ToMA's
 ``shares_destinations``: with the group's destinations).
 """
@@ -74,7 +74,9 @@ class ToMA:
 
 @dataclass(frozen=True)
 class ToMeSD:
-    """ToMeSD: a fresh bipartite matching in every merged block call, as the tomesd package does."""
+    """ToMeSD: a fresh bipartite matching in every merged block call, as the tomesd package does, each with
+    new random cells: hashed from the stream of the model call's seed that the build is given (``seed``,
+    drawn from the run's generator before the call: a block call under torch.compile cannot draw)."""
 
     ratio: float
     sx: int = 2
@@ -84,9 +86,10 @@ class ToMeSD:
     name = "ToMeSD"
     shares_plans = False
     patches_dits = False
+    draws_seed = True
 
-    def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
-        return tomesd_plan(features, grid, self.ratio, self.sx, self.sy, generator=generator)
+    def build(self, features: torch.Tensor, grid, generator=None, destinations=None, seed=None):
+        return tomesd_plan(features, grid, self.ratio, self.sx, self.sy, generator=generator, seed=seed)
 
     def merges_nothing(self, grid) -> None:
         return None
