@@ -1,6 +1,7 @@
 """ToMA under torch.compile, as ComfyUI's TorchCompileModel compiles a model (toma_bench.compiling): no
 graph break, no frame left to eager, at most one graph per merge path in a run (docs/architecture.md,
-"Under torch.compile"), no new graph in a second run, the eager output and the same plans.
+"Under torch.compile"), no new graph in a second run, the eager output and the same plans; ToMeSD too
+(its random cells hashed from a seed drawn before the model call).
 
 Dynamo's backend "eager" traces without generating code (cheap on the CPU) and finds every break and
 recompile the other backends would; one case runs "aot_eager". ComfyUI's sub-quadratic CPU attention asks
@@ -56,3 +57,17 @@ def test_unet_stochastic_selection_compiles_clean(pack, unet):
     (patched,) = node.patch(unet, 0.9, 16, 5)  # 26 picks of 256: a short trace
     first, report = dit_checks.check_compiles_clean(pack, patched, sample_unet)
     assert any(level.tokens > 64 for level in report.levels), "no window over 64 tokens: no stochastic selection"
+
+
+def test_tomesd_compiles_clean(pack, unet):
+    """ToMeSD's random cells come from the model call's seed, drawn before the call (a generator in a block
+    call breaks the graph): compiled, every block call builds the plan the eager run builds, on the levels
+    1/1 and 1/2."""
+    (patched,) = pack.nodes.toma_nodes.ToMeSDPatchModel().patch(unet, 0.5, 2)
+    runtime = pack.nodes.runtime.runtime_of(patched)
+    sample_unet(patched)
+    eager = runtime.report().plans
+    _, report = dit_checks.check_compiles_clean(pack, patched, sample_unet)
+    assert len({key.level for key in report.plans}) == 2 and report.plans.keys() == eager.keys()
+    for key, plan in report.plans.items():
+        assert torch.equal(plan.dst_index, eager[key].dst_index), key
