@@ -184,9 +184,9 @@ class CopyInput(torch.nn.Module):
 
 
 # Norms whose input ComfyUI's blocks then update in place (Flux: ``x += ...`` in SingleStreamBlock, ``txt +=
-# ...`` twice in DoubleStreamBlock; the March-2024 SD1.x BasicTransformerBlock: ``x += n`` after norm1 and
-# norm2): made for inference, they break autograd.
-IN_PLACE_RESIDUAL_NORMS = ("pre_norm", "txt_norm1", "txt_norm2", "norm1", "norm2")
+# ...`` twice in DoubleStreamBlock, and ``img += ...`` twice there too since ComfyUI v0.3.75; the March-2024
+# SD1.x BasicTransformerBlock: ``x += n`` after norm1 and norm2): made for inference, they break autograd.
+IN_PLACE_RESIDUAL_NORMS = ("pre_norm", "txt_norm1", "txt_norm2", "img_norm1", "img_norm2", "norm1", "norm2")
 
 
 @contextlib.contextmanager
