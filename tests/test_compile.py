@@ -71,3 +71,19 @@ def test_tomesd_compiles_clean(pack, unet):
     assert len({key.level for key in report.plans}) == 2 and report.plans.keys() == eager.keys()
     for key, plan in report.plans.items():
         assert torch.equal(plan.dst_index, eager[key].dst_index), key
+
+
+def test_catome_says_what_it_does_under_compile(pack, unet, caplog):
+    """CA-ToMe's merged length depends on the data (it cannot compile in one graph): where the model is
+    compiled, the log and the stats say so, once; an eager run says nothing of it."""
+    from toma_bench import compiling
+
+    (patched,) = pack.nodes.toma_nodes.CAToMePatchModel().patch(unet, 0.5, max_downsample=2)
+    runtime = pack.nodes.runtime.runtime_of(patched)
+    with compiling.constant_free_memory():
+        sample_unet(patched)
+        assert not any("torch.compile" in c for c in runtime.summary()["caveats"])
+        sample_unet(compiling.compiled(patched))
+    said = [c for c in runtime.summary()["caveats"] if "torch.compile" in c]
+    assert len(said) == 1 and "breaks the graph" in said[0]
+    assert caplog.text.count("under torch.compile") == 1

@@ -107,6 +107,10 @@ class CAToMe:
     name = "CA-ToMe"
     shares_plans = False
     patches_dits = False
+    # what the method does under torch.compile, said once where the model is compiled (the others: None)
+    under_compile = ("its merged length depends on the data, so torch.compile breaks the graph around each "
+                     "plan it builds (at its checkpoint steps): the model runs in several graphs, not one per "
+                     "merge path as with ToMA and ToMeSD")
 
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
         return catome_plan(features, grid, self.threshold, self.sx, self.sy, generator=generator)

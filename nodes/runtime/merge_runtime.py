@@ -49,6 +49,17 @@ class ModelCall:
         self.unmerged: dict = {}  # reason -> block calls of this call run unmerged (MergeRuntime.unmerged)
 
 
+def compiled_model(apply_model, transformer_options) -> bool:
+    """Whether the diffusion model behind ``apply_model`` (an APPLY_MODEL wrapper's executor, or the bound
+    ``BaseModel.apply_model``) runs under torch.compile: current ComfyUI's TorchCompileModel swaps the
+    compiled module in from an APPLY_MODEL wrapper keyed "torch.compile"; older trees object-patch
+    ``diffusion_model`` with it (a compiled module keeps the original as ``_orig_mod``)."""
+    if "torch.compile" in transformer_options.get("wrappers", {}).get("apply_model", {}):
+        return True
+    base_model = getattr(apply_model, "class_obj", None) or getattr(apply_model, "__self__", None)
+    return hasattr(getattr(base_model, "diffusion_model", None), "_orig_mod")
+
+
 class MergeRuntime:
     """Step location, plan cache and stats for one patched model."""
 
@@ -212,6 +223,9 @@ class MergeRuntime:
         options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
         x = kwargs.get("x", args[0] if args else None)
         call = None if options is None else self.begin_call(options, getattr(x, "shape", (None,))[0])
+        under_compile = getattr(self.strategy, "under_compile", None)
+        if call is not None and under_compile and compiled_model(apply_model, options):
+            self.caveat(f"under torch.compile {under_compile}")
         self._call = call
         try:
             return apply_model(*args, **kwargs)
