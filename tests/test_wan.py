@@ -206,25 +206,28 @@ def test_per_sample_modulation_passes_unchanged(pack, built):
     assert seen["vec"] is args["vec"] and seen["img"].shape[1] < args["img"].shape[1]
 
 
-@pytest.mark.parametrize("reuse,new_destinations", [(5, [0]), (2, [0, 2])])
-def test_four_step_schedule_builds_plans_where_it_should(pack, built, reuse, new_destinations):
-    """4 steps (a distilled Wan LoRA's schedule): new merge weights every step, new destinations at the
-    run's first step and then every ``reuse`` steps, never carried over from the run before."""
+@pytest.mark.parametrize("steps,reuse,new_destinations", [(4, 5, [0, 1, 2, 3]), (4, 2, [0, 1, 2, 3]),
+                                                        (10, 5, [0, 5]), (10, 2, [0, 2, 4, 6, 8])])
+def test_schedule_builds_plans_where_it_should(pack, built, steps, reuse, new_destinations):
+    """New merge weights every step, new destinations at the run's first step and then every ``reuse``
+    steps, never carried over from the run before; in a run of at most 8 steps (a distilled Wan LoRA's 4)
+    the video kind builds a new plan every step, whatever the reuse (Preset.short_run), and says so."""
     model = built["t2v"]
     patched, runtime = toma_patched(pack, model, reuse=reuse)
     for _ in range(2):
-        sample(patched, steps=4)
+        sample(patched, steps=steps)
         report = runtime.report()
         (records,) = [stats.records for level, stats in report.levels.items() if level.label == "video 5x6x8"]
-        assert [r.step for r in records] == [0, 1, 2, 3] and report.steps == 4
+        assert [r.step for r in records] == list(range(steps)) and report.steps == steps
         fresh = [r.step for i, r in enumerate(records)
                  if i == 0 or r.plan.destinations is not records[i - 1].plan.destinations]
         assert fresh == new_destinations
+        assert (runtime.summary()["short_run"] is not None) == (steps <= 8)
 
 
 def test_with_easycache(pack, built, caplog):
-    """EasyCache skips whole model calls: ToMA merges exactly the steps the model still runs, rebuilds
-    the weights of each and keeps the destinations of the run's first step (reuse 5 > 4 steps)."""
+    """EasyCache skips whole model calls: ToMA merges exactly the steps the model still runs, with a new plan
+    in each (a 4-step run: the video kind's short-run rule)."""
     from comfy_extras.nodes_easycache import EasyCacheNode
 
     model = built["t2v"]
@@ -238,7 +241,8 @@ def test_with_easycache(pack, built, caplog):
     assert 1 <= ran < 4  # EasyCache did skip something, and the model ran
     (records,) = [stats.records for level, stats in runtime.report().levels.items() if level.label == "video 5x6x8"]
     assert len(records) == ran == runtime.summary()["levels"]["video 5x6x8"]["steps"]
-    assert records[0].step == 0 and all(r.plan.destinations is records[0].plan.destinations for r in records)
+    assert records[0].step == 0
+    assert all(r.plan.destinations is not q.plan.destinations for q, r in zip(records, records[1:]))
 
 
 def test_real_480p_latent_with_tiny_width(pack):
