@@ -95,7 +95,7 @@ PRESETS = {
     "sdxl": Preset(ATTENTION, levels="auto+next", start_percent=0.25, weights_interval=5),
     # whole blocks on every step at ratio 0.5: FLUX.1-dev 1024 1.48x eager and 1.62x graph-replayed on the
     # H200 clock that prices the host (25 us per op), 21.96 dB on the Flux proxy at FLUX's 64x64 tokens; the
-    # earlier default (ratio 0.75 from 40% of the schedule) kept 23.02 dB but only 1.23x eager. In runs of up
+    # earlier default (ratio 0.75 from 40% of the schedule) kept 23.02 dB but only 1.37x eager. In runs of up
     # to 8 steps a new plan every step (docs/benchmarks.md, "The defaults, and why")
     "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1)),
     # keys and values of the self-attention (queries whole, nothing to unmerge), each block its own plan,
