@@ -232,9 +232,9 @@ def merged_rows_by_hand(plan, t, begin, tokens):
 @pytest.mark.parametrize("proportional", [False, True])
 def test_keys_values_override_by_hand(pack, layout, proportional):
     """MergedKeysValues on a [txt, image, extra] sequence, in Flux's (B, H, L, D) layout with skip_reshape and
-    Wan's (B, L, H*D): every query stays; the keys are the rotated keys' destination rows, the values merged
-    by the plan, text and extra tokens whole; with proportional each merged key's logits gain log(mass); a
-    key mask is cut to the merged keys. ComfyUI's attention function runs the call."""
+    Wan's (B, L, H*D): every query stays; the rotated keys and the values are both merged by the plan (M),
+    text and extra tokens whole; with proportional each merged key's logits gain log(mass); a key mask is
+    cut to the merged keys at the destinations' columns. ComfyUI's attention function runs the call."""
     from comfy.ldm.modules.attention import attention_pytorch
     from toma_core.plan import plan_tiles
 
@@ -256,8 +256,7 @@ def test_keys_values_override_by_hand(pack, layout, proportional):
 
     index = torch.cat([torch.arange(txt).expand(B, -1), plan.destination_tokens() + txt,
                        torch.arange(txt + tokens, L).expand(B, -1)], 1)
-    keys = torch.stack([k[b][:, index[b]] for b in range(B)])
-    values = merged_rows_by_hand(plan, v, txt, tokens)
+    keys, values = (merged_rows_by_hand(plan, t, txt, tokens) for t in (k, v))
     masks = torch.stack([mask[b][..., index[b]] for b in range(B)])
     bias = None
     if proportional:
@@ -267,6 +266,66 @@ def test_keys_values_override_by_hand(pack, layout, proportional):
     if proportional:
         plain = reference_attention(q, keys, values, None, masks).transpose(1, 2).reshape(B, L, H * D)
         assert not torch.allclose(out, plain, atol=1e-3)  # the masses change the attention
+
+
+def keys_values_case(seed, B=2, H=2, D=8, txt=3, hw=(8, 8), extra=2, window=4):
+    """Random q, k, v (B, H, L, D) over [txt, an h x w grid, extra] and a ToMA plan of the grid at ratio 0.5."""
+    from toma_core.plan import plan_tiles
+    g = torch.Generator().manual_seed(seed)
+    tokens = hw[0] * hw[1]
+    L = txt + tokens + extra
+    q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
+    plan = plan_tiles(torch.randn(B, tokens, 16, generator=g), hw, window, 0.5, generator=g)
+    return q, k, v, plan, L
+
+
+def test_keys_values_merged_key_is_the_groups_average(pack):
+    """Each merged key is M times the group's rotated keys, as each merged value is M times its values (not the
+    destination token's own key): with the value rows set to the key rows, the attention call sees equal
+    merged keys and values in every head."""
+    dit = pack.nodes.adapters.dit
+    q, k, v, plan, L = keys_values_case(5)
+    B, H, _, D = k.shape
+    seen = {}
+
+    def func(q, k, v, heads, **kwargs):
+        seen.update(k=k, v=v)
+        return q.transpose(1, 2).reshape(B, q.shape[2], heads * D)
+
+    dit.MergedKeysValues(Clock(), [(3, 64, plan)], L)(func, q, k, k.clone(), H, skip_reshape=True)
+    expected = merged_rows_by_hand(plan, k, 3, 64)
+    assert seen["k"].shape[2] == L - (64 - plan.num_merged)
+    assert torch.allclose(seen["k"], expected, atol=1e-6) and torch.allclose(seen["k"], seen["v"], atol=1e-6)
+    destination_keys = torch.stack([k[b][:, plan.destination_tokens()[b] + 3] for b in range(B)])
+    assert not torch.allclose(seen["k"][:, :, 3:3 + plan.num_merged], destination_keys, atol=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["heads", "flat"])
+def test_keys_values_with_proportional_attention_reproduce_groups_of_equal_keys(pack, layout):
+    """Where every token of a merge window has one key (any values), merged keys and values with proportional
+    attention give exactly the unmerged attention: each merged key is the window's key, and weighing it by
+    its mass sums exp(q.k) over the tokens it stands for; without proportional attention the output differs."""
+    from comfy.ldm.modules.attention import attention_pytorch
+
+    dit = pack.nodes.adapters.dit
+    q, k, v, plan, L = keys_values_case(6)
+    B, H, _, D = k.shape
+    txt, (h, w), window = 3, (8, 8), 4
+    # one key per 4x4 window (per batch row and head), the text and extra tokens keys of their own
+    tiles = torch.randn(B, H, h // window, w // window, D, generator=torch.Generator().manual_seed(7))
+    grid = tiles.repeat_interleave(window, 2).repeat_interleave(window, 3).reshape(B, H, h * w, D)
+    k = torch.cat([k[:, :, :txt], grid, k[:, :, txt + h * w:]], 2)
+    func = getattr(attention_pytorch, "__wrapped__", attention_pytorch)
+    expected = reference_attention(q, k, v).transpose(1, 2).reshape(B, L, H * D)
+
+    def call(proportional):
+        override = dit.MergedKeysValues(Clock(), [(txt, h * w, plan)], L, proportional)
+        if layout == "heads":
+            return override(func, q, k, v, H, skip_reshape=True)
+        return override(func, *(t.transpose(1, 2).reshape(B, L, H * D) for t in (q, k, v)), H)
+
+    assert torch.allclose(call(True), expected, atol=1e-5)
+    assert not torch.allclose(call(False), expected, atol=1e-3)
 
 
 def test_keys_values_override_passes_other_calls(pack):
@@ -332,8 +391,8 @@ def test_keys_values_on_flux_keeps_every_query_and_stacks_an_override(pack, flux
 
 def test_keys_values_override_merges_each_grid_by_its_own_plan(pack):
     """Two grids in one sequence (Qwen-Image-Edit: the image, then a reference image, each with a plan of its
-    own): each grid's keys are its destinations' rows and its values merged by its own plan; the text before
-    and the tokens between and after stay whole."""
+    own): each grid's keys and values are merged by its own plan; the text before and the tokens between
+    and after stay whole."""
     from comfy.ldm.modules.attention import attention_pytorch
     from toma_core.plan import plan_tiles
 
@@ -348,17 +407,16 @@ def test_keys_values_override_merges_each_grid_by_its_own_plan(pack):
     func = getattr(attention_pytorch, "__wrapped__", attention_pytorch)
     out = dit.MergedKeysValues(Clock(), spans, L, proportional=True)(func, q, k, v, H)
 
-    index, values, bias, cursor = [], [], [], 0
+    keys, values, bias, cursor = [], [], [], 0
     for begin, tokens, plan in spans:
-        index += [torch.arange(cursor, begin).expand(B, -1), plan.destination_tokens() + begin]
+        keys += [k[:, cursor:begin], plan.merge(k[:, begin:begin + tokens])]
         values += [v[:, cursor:begin], plan.merge(v[:, begin:begin + tokens])]
         bias += [torch.zeros(B, begin - cursor), plan.log_mass]
         cursor = begin + tokens
-    index += [torch.arange(cursor, L).expand(B, -1)]
+    keys += [k[:, cursor:]]
     values += [v[:, cursor:]]
     bias += [torch.zeros(B, L - cursor)]
-    index, values, bias = torch.cat(index, 1), torch.cat(values, 1), torch.cat(bias, 1)
-    keys = torch.stack([k[b, index[b]] for b in range(B)])
+    keys, values, bias = torch.cat(keys, 1), torch.cat(values, 1), torch.cat(bias, 1)
     heads = [t.view(B, t.shape[1], H, D).transpose(1, 2) for t in (q, keys, values)]
     expected = reference_attention(*heads, bias).transpose(1, 2).reshape(B, L, H * D)
     assert keys.shape[1] == L - (24 - image.num_merged) - (16 - reference.num_merged)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test host of 2026 (locally, and in .ci/run where a mirror is found): ComfyUI v0.33.0 (2026-08), the first
+# tree with MiniMax-H3, comfy-kitchen's ops and dynamic VRAM (comfy-aimdo).
+#   .comfyui-2026/   ComfyUI from the mirror's HEAD, extracted as tests/setup_current.sh extracts its tree
+# The venv is the test host's (tests/setup_host.sh); the tree's requirements (comfy-kitchen, comfy-aimdo,
+# blake3, simpleeval, ...) go into it beside the older trees' (torch/torchvision stay pinned, torchaudio is
+# left out as for every tree); its comfyui-* wheels stay as they are.
+# Then:  export COMFYUI_PATH=<repo>/.comfyui-2026   and run the tests as usual.
+# Env: COMFYUI_2026_MIRROR, a bare git dir of ComfyUI at v0.33.0 or later (default: the yzkee/ComfyUI mirror, a
+# plain mirror of upstream, beside this checkout).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+COMFYUI_MIRROR="${COMFYUI_2026_MIRROR:-$(cd "$root/.." && pwd)/.mirror/yzkee+ComfyUI/repo}" \
+COMFYUI_DEST="$root/.comfyui-2026" COMFYUI_KEEP_WHEELS=1 exec bash "$root/tests/setup_current.sh"
