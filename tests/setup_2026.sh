@@ -3,8 +3,8 @@
 # tree with MiniMax-H3, comfy-kitchen's ops and dynamic VRAM (comfy-aimdo).
 #   .comfyui-2026/   ComfyUI from the mirror's HEAD, extracted as tests/setup_current.sh extracts its tree
 # The venv is the test host's (tests/setup_host.sh); the tree's requirements (comfy-kitchen, comfy-aimdo,
-# blake3, simpleeval, ...) go into it beside the older trees' (torch/torchvision stay pinned, torchaudio is
-# left out as for every tree); its comfyui-* wheels stay as they are.
+# blake3, simpleeval, torchaudio, which its comfy.sd imports, ...) go into it beside the older trees' (torch and
+# torchvision stay pinned); its comfyui-* wheels stay as they are.
 # Then:  export COMFYUI_PATH=<repo>/.comfyui-2026   and run the tests as usual.
 # Env: COMFYUI_2026_MIRROR, a bare git dir of ComfyUI at v0.33.0 or later (default: the yzkee/ComfyUI mirror, a
 # plain mirror of upstream, beside this checkout).

@@ -45,28 +45,31 @@ elif [ ! -f "$dest/main.py" ]; then
   exit 1
 fi
 
-# The tree's requirements.txt without the torch family: torch/torchvision are the host's pins, and no
-# torchaudio wheel matches torch 2.14.1 (pip would replace torch; without it only audio nodes fail).
+# The tree's requirements.txt under the host's torch/torchvision pins (constraints: pip never replaces torch).
+# torchaudio is optional: installed where a wheel accepts the pinned torch (torchaudio 2.11 on accepts any later
+# torch); older trees import it only in audio nodes, v0.33.0's comfy.sd imports it at the top (the import
+# check below says so where it is missing).
 # Packages below "#non essential" and the comfyui-* wheels (frontend, templates, docs) are optional:
 # the tests pass --front-end-root, and a missing one only turns some comfy_extras into warnings.
+# The stamp holds the requirements and this script: a change to either installs again.
 reqs="$dest/requirements.txt"
 stamp="$venv/.${dest##*/.comfyui-}-requirements"
-if ! cmp -s "$reqs" "$stamp" 2>/dev/null; then
+if ! cat "$reqs" "${BASH_SOURCE[0]}" | cmp -s - "$stamp" 2>/dev/null; then
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
   "$py" -m pip freeze 2>/dev/null | grep -iE '^(torch|torchvision)==' > "$tmp/constraints.txt"
   awk '/^#non essential/ {opt=1} /^[[:space:]]*(#|$)/ {next}
        { name=tolower($0); sub(/[<>=~!; \[].*/, "", name)
-         if (name ~ /^(torch|torchvision|torchaudio)$/) next
+         if (name ~ /^(torch|torchvision)$/) next
          if (name ~ /^comfyui-/ && "'"${COMFYUI_KEEP_WHEELS:-}"'" != "") next
-         if (opt || name ~ /^comfyui-/) print > "'"$tmp"'/optional.txt"; else print > "'"$tmp"'/required.txt" }' "$reqs"
+         if (opt || name ~ /^comfyui-/ || name == "torchaudio") print > "'"$tmp"'/optional.txt"; else print > "'"$tmp"'/required.txt" }' "$reqs"
   echo "[$label] installing the requirements of $dest into $venv"
   "$py" -m pip install -q -c "$tmp/constraints.txt" -r "$tmp/required.txt"
   while read -r req; do
     "$py" -m pip install -q -c "$tmp/constraints.txt" "$req" \
       || echo "[$label] WARNING: optional '$req' not installed"
   done < "$tmp/optional.txt"
-  cp "$reqs" "$stamp"
+  cat "$reqs" "${BASH_SOURCE[0]}" > "$stamp"
 fi
 
 # Both trees must import in this venv (each in its own process: one ComfyUI per process).
