@@ -15,6 +15,32 @@ import weakref
 import torch
 
 WRAPPER_KEY = "comfyui_toma"
+# ComfyUI core's "Model Sparse Attention" node (comfy_extras/nodes_sparse_attention.py, 2026-09): the key of
+# the ON_PREPARE_STATE callback that puts its attention override back on top at every model call
+SPARSE_ATTENTION_KEY = "block_sparse_attention"
+
+
+def sparse_attention_min_tokens(model) -> int | None:
+    """Where core's Model Sparse Attention node is on the ModelPatcher ``model`` (its ON_PREPARE_STATE
+    callback), the fewest query tokens an attention call needs for its kernel to take it: its ``min_tokens``,
+    read from the options its callback holds, else 0 (every call may be its); None where it is not on."""
+    get_callbacks = getattr(model, "get_callbacks", None)
+    try:
+        from comfy.patcher_extension import CallbacksMP
+    except ImportError:
+        return None
+    callbacks = get_callbacks(CallbacksMP.ON_PREPARE_STATE, SPARSE_ATTENTION_KEY) if get_callbacks else None
+    if not callbacks:
+        return None
+    for callback in callbacks:
+        for cell in getattr(callback, "__closure__", None) or ():
+            try:
+                value = getattr(cell.cell_contents, "min_tokens", None)
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, int):
+                return value
+    return 0
 
 
 def original_attr(model, key):

@@ -10,6 +10,10 @@ adapters; what "auto" means per family; the log line when a family cannot honour
   (ComfyUI ToMe's placement, with ToMA's weights) (UNets).
 - "block": the whole transformer block (self-attention, cross-attention, feed-forward) runs on merged
   tokens and its update is unmerged.
+- "feed-forward": the self-attention runs over every token; the submodules after it (Wan's cross-attention
+  and feed-forward: a family's ``feed_forward``) run on merged tokens, each output unmerged. For core's
+  sparse attention, whose kernel takes only q, k and v of every token (docs/benchmarks.md, "Beside core's
+  sparse attention").
 Where keys are merged inside the attention call ("attention", "keys/values"), ``proportional`` attention
 weighs each merged key by the tokens it stands for (toma_core.attention); with "block" it is not honoured,
 and the log and the stats say so.
@@ -26,7 +30,8 @@ ATTENTION = "attention"
 KEYS_VALUES = "keys/values"
 QUERIES = "queries"
 BLOCK = "block"
-SCOPES = (AUTO, ATTENTION, BLOCK, KEYS_VALUES, QUERIES)
+FEED_FORWARD = "feed-forward"
+SCOPES = (AUTO, ATTENTION, BLOCK, KEYS_VALUES, QUERIES, FEED_FORWARD)
 
 UNET_PLACEMENTS = (ATTENTION, BLOCK, KEYS_VALUES, QUERIES)
 # Where a scope reaches an adapter as "auto" (the nodes resolve it first, with PRESETS below) or cannot be

@@ -9,8 +9,8 @@ import logging
 
 from ..toma_core import CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, ReuseSchedule, ToMA, ToMeSD
 from . import placement
-from .adapters import (adapter_for, attention_placement_families, family_names, keys_values_families,
-                       supported_families, unet)
+from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
+                       keys_values_families, supported_families, unet)
 from .inputs import check_inputs
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
@@ -168,7 +168,10 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                "nothing to unmerge (UNets, and the self-attention of every block of "
                                f"{in_words(keys_values_families())}: the rest of the block runs whole, text and "
                                "cross-attention untouched; pays on long sequences: video, 2048 px). queries "
-                               "(UNets): queries merged, keys and values whole. On "
+                               "(UNets): queries merged, keys and values whole. feed-forward ("
+                               f"{in_words(feed_forward_families())}): the self-attention over every token, the "
+                               "cross-attention and feed-forward on merged tokens (beside core's Model Sparse "
+                               "Attention, whose kernel takes only attention over every token). On "
                                f"{in_words(attention_placement_families())} double blocks, attention merges only "
                                "the joint attention (the paper's placement) and block the whole block; their "
                                "single blocks then run whole on merged image tokens. auto: "

@@ -1,6 +1,6 @@
 """Speed-vs-fidelity curves on the trained proxies: each method's knob swept, compared at equal speed.
 
-    python -m toma_bench.curves [--arch sd15|sdxl|flux|flux32|wan|wan32] [--set methods|toma|placements|front|fewsteps]
+    python -m toma_bench.curves [--arch sd15|sdxl|flux|flux32|wan|wan32] [--set methods|toma|placements|front|fewsteps|sparse]
                                 [--setting NAME=VALUE,... ...] [--side N] [--frames N] [--batch 4] [--steps 20]
                                 [--repeats 5] [--threads 1] [--hardware h200|...|cpu] [--regimes eager,graphs,compiled]
                                 [--variants 'PART;...'] [--real MODEL] [--out DIR]
@@ -35,7 +35,9 @@ merge-every-k-th-step schedule; on the Wan video proxy, ToMA's windows over 1 an
 varies ToMA's other settings around the node defaults (window size, reuse interval, levels,
 merge-every-k) at ratio 0.5 and 0.75, for choosing the defaults; ``placements`` (UNets) ToMA's
 placements and fidelity fixes against the baselines; ``front`` (DiTs) the settings around the DiT
-default; ``fewsteps`` (DiTs) start and reuse for few-step runs. On wan, ``--batch`` counts clips.
+default; ``fewsteps`` (DiTs) start and reuse for few-step runs; ``sparse`` (video proxies, in a ComfyUI with
+the protocol of core's Model Sparse Attention node: v0.33.0) that node's stand-in alone over tau and stacked
+with ToMA at scope feed-forward (``sparse_front``). On wan, ``--batch`` counts clips.
 Output: a table, a plot (``<out>/curves_<arch>_<set>_<side>.png``: CPU-time speed-up vs PSNR and vs SSIM, a
 line per method) and a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``).
 """
@@ -47,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from . import comfy_host, costmodel, proxy, run, sampling
+from . import comfy_host, costmodel, proxy, run, sampling, sparse_attention
 from .gpuclock import REGIMES, profile
 from .metrics import psnr, relative_l2, ssim
 from .tables import format_cell, format_table
@@ -230,6 +232,46 @@ def dit_front(tn, video: bool) -> list[Variant]:
                      merge_every=2)]
         out += [toma(tn, "ToMA attention", f"r={r:g}", r, scope="attention") for r in (0.5, 0.75)]
         out += [toma(tn, "ToMA attention, start 0.2", "r=0.75", 0.75, scope="attention", start_percent=0.2)]
+    return out
+
+
+def sparse_front(tn) -> list[Variant]:
+    """Beside core's Model Sparse Attention (toma_bench.sparse_attention's stand-in: comfy-kitchen's eager
+    Sol-Attn behind the node's protocol, dense before 20% of the schedule; min_tokens 0 and any head size, so
+    that it takes the proxy's 4096-token, 64-wide attention as it takes Wan 720p's 75,600-token, 128-wide
+    one): sparse attention alone over tau, and stacked with ToMA at scope feed-forward (the self-attention
+    over every token is the kernel's; the cross-attention and feed-forward merge), the early steps whole. The
+    speed axis prices the kernel at the share of key blocks it routed exact on the proxy plus 10%
+    (sparse_attention.ROUTING_OVERHEAD)."""
+    sa = sparse_attention
+    missing = sa.protocol_missing()
+    reference = sa.sol_attn_reference()
+    if missing or isinstance(reference, str):
+        raise SystemExit(f"--set sparse: {missing or reference}")
+
+    class Sparse:
+        """A row's patch: ``toma`` (None: none), then the stand-in; its kernel is the row's own (its proxy run
+        prices its real-size run), so it tells the row's routed share."""
+
+        def __init__(self, tau: float, toma=None):
+            self.tau, self.toma, self.kernel = tau, toma, sa.MeasuredKernel()
+
+        def __call__(self, m):
+            stand_in = sa.SparseAttention(self.kernel, tau=self.tau, min_tokens=0, head_dim=None)
+            return stand_in.apply(m if self.toma is None else self.toma(m))
+
+    sparse = Sparse
+
+    def feed_forward(ratio: float, start: float):
+        node = tn.ToMAPatchModelAdvanced()
+        return lambda m: node.patch(m, ratio, WINDOW, tn.DEFAULT_REUSE, scope="feed-forward",
+                                    start_percent=start)[0]
+
+    out = [Variant("unpatched", "", lambda m: m)]
+    out += [Variant("sparse attention", f"tau={tau:g}", sparse(tau)) for tau in (1.0, 1.3, 1.5)]
+    for start in (0.2, 0.4):
+        out += [Variant(f"ToMA feed-forward, start {start:g} + sparse attention tau 1.3", f"r={r:g}",
+                        sparse(1.3, feed_forward(r, start))) for r in (0.5, 0.75)]
     return out
 
 
@@ -473,11 +515,13 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.curves", description=__doc__.split("\n\n")[0])
     # pictures only: the wan proxy samples clips
     ap.add_argument("--arch", choices=list(proxy.SPECS), default="sd15", help="which trained proxy (default sd15)")
-    ap.add_argument("--set", choices=["methods", "toma", "placements", "front", "fewsteps"], default="methods",
+    ap.add_argument("--set", choices=["methods", "toma", "placements", "front", "fewsteps", "sparse"], default="methods",
                     help="methods: every method's knob swept; toma: ToMA's settings around its defaults; "
                          "placements (UNet proxies): ToMA's placements and fidelity fixes against the baselines; "
                          "front (DiT proxies): the settings around the DiT default; fewsteps (DiT proxies): "
-                         "start and reuse for few-step runs (use with --steps 8)")
+                         "start and reuse for few-step runs (use with --steps 8); sparse (video proxies, a ComfyUI "
+                         "with the sparse node's protocol: v0.33.0): core's sparse attention alone and stacked with "
+                         "ToMA (toma_bench.sparse_attention)")
     ap.add_argument("--hardware", default="h200",
                     help="the cost model's GPU profile for the speed axis (toma_bench.gpuclock; default h200); "
                          "'cpu': no cost model, the process CPU time is the axis")
@@ -519,6 +563,8 @@ def parse_args(argv):
         ap.error("--set placements is for the UNet proxies, sd15 and sdxl (the other placements are UNet-only)")
     if args.set in ("front", "fewsteps") and unet:
         ap.error(f"--set {args.set} is for the DiT proxies (flux, flux32, wan, wan32)")
+    if args.set == "sparse" and spec.model_kind != "wan":
+        ap.error("--set sparse is for the video proxies (wan, wan32)")
     if args.hardware != "cpu":
         try:
             profile(args.hardware)
@@ -563,6 +609,8 @@ def main(argv=None) -> None:
         variants = dit_front(tn, video=kind == "wan")
     elif args.set == "fewsteps":
         variants = few_steps(tn)
+    elif args.set == "sparse":
+        variants = sparse_front(tn)
     elif kind == "wan":
         variants = video_methods(tn)
     elif kind == "flux":
@@ -595,6 +643,12 @@ def main(argv=None) -> None:
         speed_axis = f"modelled {args.hardware} ({spec_title}, {args.steps} steps, {args.regimes[0]})"
         print(f"\nspeed axis: {speed_axis}; toma_bench.costmodel")
     print(table(rows, args.hardware, tuple(args.regimes)), flush=True)
+    kernels = [(r.variant.label, r.variant.patch.kernel) for r in rows if hasattr(r.variant.patch, "kernel")]
+    if kernels:
+        print("\nkey blocks the sparse kernel routed exact (mean over its proxy calls; priced at this + "
+              f"{100 * sparse_attention.ROUTING_OVERHEAD:.0f}% of a dense kernel):")
+        for label, kernel in kernels:
+            print(f"  {label}: {100 * kernel.share():.1f}% over {len(kernel.shares)} calls")
     if args.out:
         name = "settings" if args.setting else args.set
         stem = Path(args.out) / f"curves_{args.arch}_{name}_{args.side}{'' if args.frames is None else f'x{args.frames}'}"

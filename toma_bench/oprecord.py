@@ -93,6 +93,21 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return min(logical, stored) if stored else logical
 
 
+_ATTENTION_SCALE = [1.0]  # attention_scaled's factor, innermost last
+
+
+@contextlib.contextmanager
+def attention_scaled(factor: float):
+    """Attention recorded inside the block costs ``factor`` of a dense fused kernel (its FLOPs and bytes
+    scaled alike, so its time scales so on any profile): a sparse kernel priced from its routed share
+    (toma_bench.sparse_attention)."""
+    _ATTENTION_SCALE.append(float(factor))
+    try:
+        yield
+    finally:
+        _ATTENTION_SCALE.pop()
+
+
 def _is_mask(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.bool
 
@@ -287,6 +302,7 @@ class Recording:
         masked = attn_mask is not None
         if masked:
             nbytes += tensor_bytes(attn_mask)
+        flops, nbytes = flops * _ATTENTION_SCALE[-1], nbytes * _ATTENTION_SCALE[-1]
         self.add("scaled_dot_product_attention", ATTENTION_MASKED if masked else ATTENTION, flops, nbytes, True,
                  False, lk)
         return torch.empty(*q.shape[:-1], dv, dtype=q.dtype, device="meta")

@@ -38,6 +38,11 @@ def keys_values_families() -> list[str]:
     return [family.name for family in DIT_FAMILIES if placement.KEYS_VALUES in family.placements]
 
 
+def feed_forward_families() -> list[str]:
+    """The DiT families whose blocks can merge only around their self-attention (scope "feed-forward")."""
+    return [family.name for family in DIT_FAMILIES if placement.FEED_FORWARD in family.placements]
+
+
 def attention_placement_families() -> list[str]:
     """The DiT families whose double blocks can merge only their joint attention (scope "attention")."""
     return [family.name for family in DIT_FAMILIES if placement.ATTENTION in family.placements]

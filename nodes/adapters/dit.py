@@ -68,6 +68,7 @@ NO_LAYOUT = "no token layout"
 TOKEN_COUNT = "token count differs from the layout"
 POSITIONS = "positions do not fit"
 SLAB = "sequence-parallel slab"
+SPARSE = "left to core's sparse attention"
 ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
 # Block groups, named by their role (the names plans, stats and the merge map use):
 TWO_STREAM = "two-stream"  # image and text in streams of their own, one joint attention (Flux's double blocks)
@@ -503,6 +504,17 @@ class MergedKeysValues:
 
 
 @dataclass(frozen=True)
+class MergedSpan:
+    """Scope feed-forward's block call under way: its plan, the grid's tokens [start, start + tokens) of its
+    sequence of ``length``."""
+
+    plan: object
+    start: int
+    tokens: int
+    length: int
+
+
+@dataclass(frozen=True)
 class BlockCall:
     """One merged block call, as a family's ``DiTPatch.reduced_inputs`` is given it (one value: a new field
     touches no override). ``args``: the block's arguments (full length); ``txt_len``: the text tokens of
@@ -527,7 +539,14 @@ class DiTPatch:
     attention_only: double blocks run whole on full-length tokens with only their joint attention merged
     (``MergedAttention``). keys_values: every merged block runs whole with only the keys and values of its
     self-attention merged (``MergedKeysValues``). proportional: where keys merge inside the attention call
-    (those two), each merged key weighs as the tokens it stands for.
+    (those two), each merged key weighs as the tokens it stands for. feed_forward (scope feed-forward): the
+    block runs whole on every token, the submodules it names on merged tokens (``merged_forward``).
+
+    Beside core's Model Sparse Attention node (``MergeRuntime.sparse_min_tokens``), a block whose attention
+    sequence has at least that node's ``min_tokens`` runs unmerged unless the scope keeps its attention whole
+    (feed-forward): merged tokens would hand the node's kernel queries, keys and values it must run dense
+    (keys/values: shapes that differ; the other scopes: fewer tokens than its ``min_tokens``, or not its
+    routing's picture). Shorter blocks merge: that node runs them dense (``leaves_attention_to_sparse``).
 
     Block identity: each block's patch is bound to its block (``family.BlockPatch``, or the object-patched
     forward made for it), which reaches ``MergeRuntime.plan`` as ``block``: with per-block plans each block
@@ -540,12 +559,14 @@ class DiTPatch:
     companions: tuple[str, ...] = ()
 
     def __init__(self, runtime: MergeRuntime, attention_only: bool = False, keys_values: bool = False,
-                 proportional: bool = False):
+                 proportional: bool = False, feed_forward: tuple[str, ...] = ()):
         self.runtime = runtime
         self.attention_only = attention_only
         self.keys_values = keys_values
         self.proportional = proportional
+        self.feed_forward = feed_forward  # scope feed-forward: the block's submodules that run merged
         self.taken_from: dict[str, list] = {}  # group -> runtimes of earlier token merge nodes whose blocks this took
+        self.around: MergedSpan | None = None  # scope feed-forward: the block call under way's merge
 
     def took(self, group: str, previous: MergeRuntime) -> None:
         """Note that blocks of ``group`` patched by the earlier token merge node ``previous`` merge here
@@ -709,6 +730,8 @@ class DiTPatch:
         tokens: the plan of the grid [lead, lead + tokens) of ``args["img"]`` goes to a MergedAttention
         in the block's own copy of transformer_options, chained to any override already there."""
         img, options = args["img"], args["transformer_options"]
+        if self.leaves_attention_to_sparse(txt_len + layout.total):
+            return run(args)
         plan = self.plan_for(TWO_STREAM, img[:, layout.lead:layout.lead + layout.tokens], layout.grid, options, block)
         if plan is None:
             return run(args)
@@ -741,6 +764,62 @@ class DiTPatch:
                                   txt_len + layout.total)
         return out
 
+    def leaves_attention_to_sparse(self, length: int) -> bool:
+        """Whether this block call, whose attention runs over ``length`` tokens, runs unmerged because core's
+        Model Sparse Attention node takes that attention (see the class docstring); said once in the log and
+        the stats, with the calls ToMA merges, and counted."""
+        floor = self.runtime.sparse_min_tokens
+        if floor is None:
+            return False
+        if self.feed_forward:
+            self.runtime.caveat("core's Model Sparse Attention is on this model: its kernel takes the "
+                                "self-attention over every token (scope feed-forward keeps it whole); ToMA merges "
+                                f"only the {' and '.join(self.feed_forward)} of each block")
+            return False
+        self.runtime.caveat(f"core's Model Sparse Attention is on this model: its kernel takes the attention of "
+                            f"blocks of at least {floor:,} tokens, which ToMA leaves whole (merged, they would "
+                            f"reach it in shapes it runs dense); ToMA merges the blocks of fewer tokens, whose "
+                            f"attention that node runs dense")
+        if length < floor:
+            return False
+        self.runtime.unmerged(SPARSE, "%s leaves blocks of %d tokens unmerged to core's sparse attention",
+                              self.runtime.name, length)
+        return True
+
+    def feed_forward_call(self, group: str, args: dict, run, start: int, layout: ImageLayout, block=None) -> dict:
+        """Run the block whole on ``args["img"]``, the submodules ``feed_forward`` names on its grid tokens
+        [start, start + layout.tokens) merged (``merged_forward`` reads the plan from ``around``)."""
+        seq, options = args["img"], args["transformer_options"]
+        plan = self.plan_for(group, seq[:, start:start + layout.tokens], layout.grid, options, block)
+        if plan is None:
+            return run(args)
+        self.around = MergedSpan(plan, start, layout.tokens, seq.shape[1])
+        try:
+            return run(args)
+        finally:
+            self.around = None
+
+    def merged_forward(self, name: str, original):
+        """The forward of the block's submodule ``name`` around its unpatched ``original`` (bound), for
+        scope feed-forward: in a block call that merges (``around``), its tokens (the first argument, the
+        block's sequence) merged, its output unmerged onto every token."""
+        patch = self
+
+        def forward(module, x, *args, **kwargs):
+            around = patch.around
+            if around is None or not torch.is_tensor(x) or x.dim() != 3 or x.shape[1] != around.length:
+                return original(x, *args, **kwargs)
+            begin, end = around.start, around.start + around.tokens
+            with patch.runtime.stage("merge"):
+                merged = splice(x, [(begin, end)], [around.plan.merge(x[:, begin:end])])
+            y = original(merged, *args, **kwargs)
+            stop = begin + around.plan.num_merged
+            with patch.runtime.stage("unmerge"):
+                return splice(y, [(begin, stop)], [around.plan.unmerge(y[:, begin:stop])])
+
+        forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one
+        return forward
+
     def merged_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout,
                     block=None, inside_attention: bool = True) -> dict:
         """Run the block on ``args["img"]`` with its grid tokens [start, start + layout.tokens) merged (and
@@ -748,6 +827,11 @@ class DiTPatch:
         the block's update of the merged tokens unmerged onto them. ``keys_values``: the block runs whole,
         only its self-attention's keys and values merged (``keys_values_call``), unless ``inside_attention`` is
         false (the block's caller passes no transformer_options, so no override would reach its attention)."""
+        attended = args["img"].shape[1] + (txt_len if group == TWO_STREAM else 0)  # the attention's sequence
+        if self.leaves_attention_to_sparse(attended):
+            return run(args)
+        if self.feed_forward:
+            return self.feed_forward_call(group, args, run, start, layout, block)
         if self.keys_values and inside_attention:
             return self.keys_values_call(group, args, run, start, txt_len, layout, block)
         seq, options, end = args["img"], args["transformer_options"], start + layout.tokens

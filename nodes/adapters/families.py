@@ -58,9 +58,9 @@ LTX2 = DiTFamily("LTX-2", ("LTX-2",), True, "comfy.ldm.lightricks.av_model:LTXAV
 
 WAN = DiTFamily("Wan 2.1/2.2", ("Wan",), True, "comfy.ldm.wan.model:WanModel",
                 (BlockGroup("blocks", "double_block", VIDEO, "block"),), wan.WanPatch,
-                wan.VideoLayoutStash, placements=WITH_KEYS_VALUES,
+                wan.VideoLayoutStash, placements=WITH_KEYS_VALUES + (placement.FEED_FORWARD,),
                 never_merged="text, CLIP image tokens, reference and subject frames, the TI2V first frame",
-                unserved=wan.unserved)
+                unserved=wan.unserved, feed_forward=("cross_attn", "ffn"))
 
 QWEN_IMAGE = DiTFamily("Qwen-Image", ("Qwen-Image",), False, "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",
                        (BlockGroup("transformer_blocks", "double_block", TWO_STREAM, "double_block"),),

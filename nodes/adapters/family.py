@@ -75,7 +75,9 @@ class DiTFamily:
     read_outside: whether the stash also wraps ``BaseModel._apply_model`` (outside the diffusion model;
     the wrapper inside overrides it where it runs), for nodes that replace the diffusion model's
     ``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video): a family whose layout the latent and
-    the extra conds tell there."""
+    the extra conds tell there. feed_forward: the submodules of a block that run on merged tokens with
+    scope feed-forward (placement.FEED_FORWARD, among ``placements`` where this is not empty), each called
+    with the block's tokens first; their forwards are object-patched."""
 
     name: str
     names: tuple[str, ...]
@@ -91,6 +93,7 @@ class DiTFamily:
     never_merged: str = "text"
     unserved: Callable | None = None
     read_outside: bool = False
+    feed_forward: tuple[str, ...] = ()
 
     def model_type(self):
         """The diffusion model class, or None where this ComfyUI has none."""
@@ -149,8 +152,12 @@ class DiTFamily:
             return model
         proportional = bool(getattr(runtime.strategy, "proportional", False))
         blocks = self.blocks(runtime, attention_only=attention_only(chosen, self.name),
-                             keys_values=keys_values_only(chosen, self.name), proportional=proportional)
-        if proportional and not (blocks.attention_only or blocks.keys_values):
+                             keys_values=keys_values_only(chosen, self.name), proportional=proportional,
+                             feed_forward=self.feed_forward if chosen == placement.FEED_FORWARD else ())
+        if proportional and blocks.feed_forward:
+            runtime.caveat(f"proportional attention is not honoured with scope feed-forward ({self.name}'s "
+                           "attention keeps every key)")
+        elif proportional and not (blocks.attention_only or blocks.keys_values):
             runtime.caveat(f"proportional attention is not honoured on {self.name} with scope block (its blocks run "
                            "their own attention on merged tokens): use scope keys/values or attention")
         elif proportional and blocks.attention_only:
@@ -199,13 +206,13 @@ class DiTFamily:
         """Object-patch the ``forward`` of the submodules ``blocks.companions`` names inside block ``i`` of
         ``g`` (LTX-2's video-to-audio attention: its video keys are unmerged there); an earlier token merge
         node's patched forward is replaced by one around the original."""
-        for name in blocks.companions:
+        for name in blocks.companions + blocks.feed_forward:
             key = f"diffusion_model.{g.blocks}.{i}.{name}.forward"
             current = original_attr(m, key)
             earlier = getattr(getattr(current, "__func__", None), "token_merge", None)
             module = operator.attrgetter(f"{g.blocks}.{i}.{name}")(dm)
-            m.add_object_patch(key, types.MethodType(blocks.companion_forward(name, current if earlier is None
-                                                                              else earlier[0]), module))
+            make = blocks.merged_forward if name in blocks.feed_forward else blocks.companion_forward
+            m.add_object_patch(key, types.MethodType(make(name, current if earlier is None else earlier[0]), module))
 
     def object_patch_blocks(self, m, dm, blocks: DiTPatch):
         """Object-patch the ``forward`` of the merged blocks on ``m``; an earlier token merge node's patched

@@ -17,6 +17,7 @@ import time
 import torch
 
 from ...toma_core.selection import draw_seed, seed_stream
+from ..host import sparse_attention_min_tokens
 from .levels import Level, LeftTo, LevelStats, PlanKey, RunReport, batch_key, grid_in_words
 from .records import record_plan
 from .stages import StageClock
@@ -74,6 +75,9 @@ class MergeRuntime:
         # (dit.LayoutStash) for blocks called without them (a cache node's own forward_orig)
         self.model_call: dict | None = None
         self.caveats: list[str] = []  # what the patched model does otherwise than its node asks (caveat)
+        # the min_tokens of core's Model Sparse Attention node where the model being sampled has it (None: it
+        # has not), read at each run's start (host.sparse_attention_min_tokens)
+        self.sparse_min_tokens: int | None = None
         self._plans: dict[PlanKey, object] = {}
         self._shared: dict = {}  # (level, rows) -> the destinations a level's blocks share, chosen last
         self._generators: dict = {}  # device -> the run's generator, advanced by every plan built
@@ -164,6 +168,7 @@ class MergeRuntime:
         sigmas = kwargs.get("sigmas", args[3] if len(args) > 3 else None)
         patcher = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
         model_sampling = patcher.get_model_object("model_sampling") if patcher is not None else None
+        self.sparse_min_tokens = None if patcher is None else sparse_attention_min_tokens(patcher)
         self.begin_run(None if sigmas is None else [float(s) for s in sigmas.tolist()], model_sampling)
         try:
             return executor(*args, **kwargs)
