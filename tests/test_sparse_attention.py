@@ -199,3 +199,23 @@ def test_comfy_kitchens_eager_sol_attn_runs_behind_the_protocol(pack, wan):
     shares = [c.routed for c in sparse.sparse_calls()]
     assert len(shares) == models.WAN_TINY["num_layers"] * (STEPS - 1)
     assert all(0 < s <= 1 for s in shares)
+
+
+def test_the_priced_kernel_costs_its_routed_share_plus_the_overhead_of_a_dense_one():
+    """On the meta device (the cost model) the stand-in's kernel is one fused attention whose FLOPs and bytes
+    are the routed share plus ROUTING_OVERHEAD of a dense kernel's, capped at a dense kernel's."""
+    from toma_bench import oprecord
+
+    q, k, v = (torch.empty(1, 4096, 2, 64, device="meta") for _ in range(3))
+
+    def recorded(kernel):
+        with oprecord.recording() as rec, rec.model_call():
+            kernel(q, k, v, sa.TAU)
+        (op,) = [op for op in rec.calls[0] if op.cls == oprecord.ATTENTION]
+        return op
+
+    dense = recorded(sdpa_kernel)
+    for share, factor in ((0.2, 0.2 + sa.ROUTING_OVERHEAD), (0.95, 1.0)):
+        op = recorded(sa.priced_kernel(share))
+        assert op.flops == pytest.approx(dense.flops * factor, rel=1e-6)
+        assert op.bytes == pytest.approx(dense.bytes * factor, rel=1e-6)
