@@ -209,6 +209,7 @@ def test_command_line_explains_columns_and_refuses_bad_input(capsys):
         assert column in help_text
     assert "graph replay" in help_text and "inductor" in help_text
     assert costmodel.parse_args(["--regimes", "eager,compiled"]).regimes == ["eager", "compiled"]
+    assert costmodel.parse_args(["--regimes", "compiled+graphs"]).regimes == ["compiled+graphs"]
     for bad in (["--models", "sd4"], ["--hardware", "h200,tpu"], ["--steps", "0"], ["--regimes", "eager,jit"]):
         with pytest.raises(SystemExit) as exit_info:
             costmodel.parse_args(bad)
@@ -240,6 +241,51 @@ def test_graph_replay_pays_the_host_per_graph_not_per_kernel():
     assert split.graphs == 2 and split.seconds > graphs.seconds
     with pytest.raises(ValueError, match="regime must be one of"):
         gpuclock.call_cost(small, H200, regime="jit")
+
+
+def test_regimes_are_what_users_run():
+    # ComfyUI's TorchCompileModel compiles with inductor and mode None: fusion without graph replay
+    assert list(gpuclock.REGIMES) == ["eager", "graphs", "compiled", "compiled+graphs"]
+    compiled, reduce_overhead = gpuclock.REGIMES["compiled"], gpuclock.REGIMES["compiled+graphs"]
+    assert compiled.fuse and not compiled.replay and reduce_overhead.fuse and reduce_overhead.replay
+    assert [r.traced for r in gpuclock.REGIMES.values()] == [False, True, True, True]
+
+
+def test_compiled_code_launches_each_fused_kernel_from_the_host():
+    gemm = op("gemm", flops=10**6, nbytes=10)
+    chain = [op(nbytes=10), op("view", kernel=False), op(nbytes=10)]
+    ops = [gemm, *chain, gemm, *chain]  # inductor: gemm, fused chain, gemm, fused chain
+    hw = H200
+    compiled = gpuclock.call_cost(ops, hw, regime="compiled")
+    assert compiled.kernels == 4 and compiled.graphs == 1
+    assert compiled.host == pytest.approx((hw.host_us_per_compiled_call + 4 * hw.host_us_per_compiled_kernel) * 1e-6)
+    replayed = gpuclock.call_cost(ops, hw, regime="compiled+graphs")
+    assert replayed.kernels == 4 and replayed.host == pytest.approx(hw.host_us_per_graph * 1e-6)
+    # many small kernels: the compiled host, not the GPU, sets the pace; replayed, the GPU does
+    small = [op(nbytes=10) if i % 2 else gemm for i in range(2000)]
+    many = gpuclock.call_cost(small, hw, regime="compiled")
+    assert many.seconds == pytest.approx(many.host, rel=1e-3) and many.host > many.gpu  # the last kernel runs after
+    assert gpuclock.call_cost(small, hw, regime="compiled+graphs").seconds < many.seconds
+    # a read-back breaks the graph: the guards run again when the next kernel enters it
+    split = gpuclock.call_cost(ops + [op(kernel=False, sync=True, cls="host")] + ops, hw, regime="compiled")
+    assert split.graphs == 2
+    assert split.host == pytest.approx((2 * hw.host_us_per_compiled_call + 8 * hw.host_us_per_compiled_kernel
+                                        + hw.host_us_per_kernel) * 1e-6)
+
+
+def test_compiled_launch_cost_is_the_published_one():
+    # inductor's per-kernel launch 6.8-9.1 us and a one-kernel graph 42-44 us end to end on a datacenter
+    # host (meta-pytorch/tritonbench#1017); a fast desktop CPU below it; the sweep reaches both ends
+    for name in gpuclock.DATACENTER:
+        hw = gpuclock.PROFILES[name]
+        assert 6.8 <= hw.host_us_per_compiled_kernel <= 9.1
+        assert 42 <= hw.host_us_per_compiled_call + hw.host_us_per_compiled_kernel <= 46
+        swept = {p.host_us_per_compiled_kernel for label, p in gpuclock.swept(hw)
+                 if label.startswith("host_us_per_compiled_kernel")}
+        assert min(swept) <= 6.8 and max(swept) >= 18
+    for name in gpuclock.DESKTOP:
+        hw = gpuclock.PROFILES[name]
+        assert hw.host_us_per_compiled_kernel < gpuclock.PROFILES["h200"].host_us_per_compiled_kernel
 
 
 def test_inductor_fuses_elementwise_chains_one_kernel_per_reduction():
@@ -293,5 +339,5 @@ def test_graph_replay_prices_the_traced_recording():
     traced = [op("copy", nbytes=10), op("gemm", flops=10**9, nbytes=10**6)]
     r = recorded("ToMA", [eager], recorded("ToMA", [traced]))
     assert r.calls_in("eager") == [eager] and r.calls_in("graphs") == [traced]
-    assert len(r.calls_in("compiled")[0]) == 2
+    assert len(r.calls_in("compiled")[0]) == 2 and r.calls_in("compiled+graphs") == r.calls_in("compiled")
     assert recorded("unpatched", [eager]).calls_in("graphs") == [eager]

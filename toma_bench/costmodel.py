@@ -1,7 +1,7 @@
 """Speed where users run it: every aten op of real-size models, patched by the pack's nodes, priced on a GPU.
 
     python -m toma_bench.costmodel [--models sdxl,flux,...] [--hardware h200,h100,a100,l40s,rtx4090,rtx3090,FILE.json]
-                                   [--regimes eager,graphs,compiled] [--variants 'default;r=0.5;...']
+                                   [--regimes eager,graphs,compiled,compiled+graphs] [--variants 'default;r=0.5;...']
                                    [--steps N] [--how pipelined|additive] [--sweep] [--json FILE]
 
 CPU only, no weights, about a minute per model. For each model (ComfyUI's own classes at real widths,
@@ -10,7 +10,8 @@ node can express, ToMeSD, CA-ToMe, ComfyUI's ToMe), one sampling run goes throug
 CFG batched as ComfyUI batches it; every aten op of every model call is recorded (toma_bench.oprecord),
 so steps that select destinations and steps that reuse them are weighed as the node's schedule has them;
 the ops are then priced by a hardware profile (toma_bench.gpuclock) in each regime (eager; graph replay;
-torch.compile's inductor with graph replay: gpuclock.REGIMES). For the node's default, the kernel budget
+torch.compile's inductor as ComfyUI's TorchCompileModel node compiles, the host launching every fused kernel;
+inductor with graph replay, mode reduce-overhead: gpuclock.REGIMES). For the node's default, the kernel budget
 says how many kernels it adds a step and where (selection, merge, unmerge), and what a host that issues
 them one by one pays for them. A run of one step first fills the
 pack's per-process host caches (plan geometry), which a real run pays once. LTX-2, whose classes come from
@@ -370,9 +371,9 @@ class Recorded:
     _fused: list | None = dataclasses.field(default=None, repr=False)
 
     def calls_in(self, regime: str) -> list:
-        """The ops of each call as ``regime`` launches them: from the traced recording where kernels are
-        replayed from a graph (torch.compile) and there is one, fused once where inductor fuses them."""
-        source = self.traced if REGIMES[regime].replay and self.traced is not None else self
+        """The ops of each call as ``regime`` launches them: from the traced recording where the model is
+        compiled or replayed from a graph and there is one, fused once where inductor fuses them."""
+        source = self.traced if REGIMES[regime].traced and self.traced is not None else self
         if not REGIMES[regime].fuse:
             return source.calls
         if source._fused is None:
@@ -383,7 +384,8 @@ class Recorded:
 @contextlib.contextmanager
 def traced_form(pack):
     """The pack's engine as torch.compile traces it: toma_core.plan's is_compiling answers True (merges in
-    the windowed form, nothing kept between block calls), for the recordings the graph-replay regimes price."""
+    the windowed form, nothing kept between block calls), for the recordings the compiled and graph-replay
+    regimes price."""
     plan = pack.toma_core.plan
     saved = plan.is_compiling
     plan.is_compiling = lambda: True
@@ -478,8 +480,8 @@ class Priced:
 
 
 def per_step(recorded: Recorded, hw: Hardware, how: str, regime: str = "eager"):
-    launched = dataclasses.replace(REGIMES[regime], fuse=False)  # calls_in has fused them where the regime fuses
-    costs = [call_cost(ops, hw, how, launched) for ops in recorded.calls_in(regime)]
+    costs = [call_cost(ops, hw, how, regime, fuse=False)  # calls_in has fused them where the regime fuses
+             for ops in recorded.calls_in(regime)]
     n = recorded.steps
     return costs, sum(c.seconds for c in costs) / n
 
@@ -539,7 +541,7 @@ COLUMNS = """Columns:
   GFLOP/step    GEMM, convolution and attention FLOPs per step; saved %: against unpatched
   sel/mrg/unm % shares of the step spent selecting destinations, merging and unmerging (each op's larger of
                 GPU and host time, tagged through the runtime's stage-clock listeners)
-  kernels/step  kernels launched per step (aten ops that launch one; under "compiled", after fusion)
+  kernels/step  kernels launched per step (aten ops that launch one; under the compiled regimes, after fusion)
   syncs/call    ops per model call that make the host wait for the GPU (values read back)
   GPU/host ms   total GPU time and host time per step (pipelined, they overlap)
   merged        each merged level or block group: tokens -> merged tokens (MERGED NOTHING flags a patched
@@ -709,7 +711,7 @@ def main(argv=None) -> None:
         steps = args.steps or spec.steps
         try:
             recorded = record_model(spec, pack, steps, progress=lambda line: print(line, file=sys.stderr),
-                                    wanted=args.variants, traced=any(REGIMES[r].replay for r in args.regimes))
+                                    wanted=args.variants, traced=any(REGIMES[r].traced for r in args.regimes))
         except ValueError as e:
             sys.exit(str(e))
         report["models"][name] = {"title": spec.title, "steps": steps, "profiles": {}}

@@ -2,7 +2,7 @@
 
     python -m toma_bench.curves [--arch sd15|sdxl|flux|flux32|wan|wan32] [--set methods|toma|placements|front|fewsteps|sparse]
                                 [--setting NAME=VALUE,... ...] [--side N] [--frames N] [--batch 4] [--steps 20]
-                                [--repeats 5] [--threads 1] [--hardware h200|...|cpu] [--regimes eager,graphs,compiled]
+                                [--repeats 5] [--threads 1] [--hardware h200|...|cpu] [--regimes eager,graphs,compiled,compiled+graphs]
                                 [--variants 'PART;...'] [--real MODEL] [--out DIR]
 
 The model is a trained proxy (toma_bench.proxy: ComfyUI's own SD1.x- or SDXL-layout UNet, Flux DiT or
@@ -427,7 +427,7 @@ def gpu_clock(rows: list[Row], pack, args, progress=print) -> None:
     spec = costmodel.SPECS[args.real]
     recorded = costmodel.record_model(spec, pack, args.steps,
                                       [costmodel.Variant(r.variant.label, patch=r.variant.patch, meta_scalar=merge_count(r)) for r in rows],
-                                      progress=progress, traced=any(REGIMES[r].replay for r in args.regimes))
+                                      progress=progress, traced=any(REGIMES[r].traced for r in args.regimes))
     hw = profile(args.hardware)
     priced = {regime: costmodel.price(recorded, hw, "pipelined", False, regime) for regime in args.regimes}
     for i, row in enumerate(rows):
@@ -527,7 +527,7 @@ def parse_args(argv):
                          "'cpu': no cost model, the process CPU time is the axis")
     ap.add_argument("--regimes", default="eager",
                     help="comma list of the cost model's regimes (toma_bench.gpuclock.REGIMES: eager, graphs, "
-                         "compiled; default eager): the first is the speed axis, the others columns at the end")
+                         "compiled, compiled+graphs; default eager): the first is the speed axis, the others columns at the end")
     ap.add_argument("--variants", default=None,
                     help="';'-separated parts of variant labels (labels hold commas): only those rows (and unpatched) run")
     ap.add_argument("--side", type=int, default=None, help="latent side (default: the proxy's training size)")

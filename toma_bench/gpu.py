@@ -22,7 +22,8 @@ the real sizes, sampled through ComfyUI's own sampler (euler), every variant pat
 
 First, before anything is measured, the cost model (toma_bench.costmodel) records every variant on the
 meta device exactly as it will run here and writes its predictions, eager and compiled (the regimes of
-toma_bench.gpuclock; profile from the GPU's name, else h200; ``--hardware`` chooses). ``--predict-only`` stops there (no GPU needed: docs/benchmarks.md keeps
+toma_bench.gpuclock; "compiled" is inductor with mode None, the host launching every fused kernel, as the
+compile pass below runs it; profile from the GPU's name, else h200; ``--hardware`` chooses). ``--predict-only`` stops there (no GPU needed: docs/benchmarks.md keeps
 the kit's predictions, made before any GPU run). After the timed runs, one run of the unpatched model
 and of the node's default under torch.profiler gives kernels per model call, device time per op class
 and host time per aten op; the profile's free parameters (each op class's efficiency, host microseconds
@@ -395,7 +396,7 @@ def fitted_profile(hw: gpuclock.Hardware, predicted_classes: dict, measured: dic
     return dataclasses.replace(hw, name=hw.name + " (fitted)", **fitted), dict(changes, host_us_per_kernel=measured["host_us_per_op"])
 
 
-PREDICTED_REGIMES = ("eager", "compiled")
+PREDICTED_REGIMES = ("eager", "compiled")  # what the timed runs and the compile pass measure
 
 
 def priced_rows(recorded, hw, regimes=PREDICTED_REGIMES) -> dict:
