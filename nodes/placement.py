@@ -94,10 +94,10 @@ PRESETS = {
     "sd1": Preset(KEYS_VALUES, plan_per_block=True, shared_destinations=True, proportional=True, weights_interval=5,
                   window_size=8),
     # attention at 1/2 and 1/4, the first 25% of the schedule unmerged, weights refreshed with the
-    # destinations (every 5 steps): at ratio 0.75 on the H200 clock that prices the host (25 us a kernel)
-    # 0.95x eager and 1.15x graph-replayed, 31.6 dB on the SDXL proxy (1.3 dB more than the earlier start 15%
-    # with weights every step, which adds 40% more kernels a step: 0.94x eager)
-    "sdxl": Preset(ATTENTION, levels="auto+next", start_percent=0.25, weights_interval=5),
+    # destinations (every 5 steps), ratio 0.85: on the H200 clock of 2026-12-04 (Hopper fitted to published
+    # SDXL step times) 1.10x under ComfyUI's compile node and 0.97x eager, 32.07 dB on the SDXL proxy, where
+    # ratio 0.75 gave 1.09x, 0.97x and 31.57 dB (docs/benchmarks.md, "Compile as ComfyUI compiles")
+    "sdxl": Preset(ATTENTION, ratio=0.85, levels="auto+next", start_percent=0.25, weights_interval=5),
     # whole blocks on every step at ratio 0.5: FLUX.1-dev 1024 1.48x eager and 1.62x graph-replayed on the
     # H200 clock that prices the host (25 us per op), 21.96 dB on the Flux proxy at FLUX's 64x64 tokens; the
     # earlier default (ratio 0.75 from 40% of the schedule) kept 23.02 dB but only 1.37x eager. In runs of up

@@ -699,7 +699,8 @@ def main(argv=None) -> None:
                      f"{args.how}; ComfyUI tree {root.name}"))
     for hw in args.profiles:
         print(f"# profile {hw.name}: {hw.source or 'from a file'}; host {hw.host_us_per_kernel:g} us per kernel, "
-              f"{hw.host_us_per_view:g} per view, {hw.host_us_per_graph:g} per graph")
+              f"{hw.host_us_per_view:g} per view, {hw.host_us_per_graph:g} per graph; compiled code "
+              f"{hw.host_us_per_compiled_kernel:g} per kernel, {hw.host_us_per_compiled_call:g} per graph entry")
     for regime in args.regimes:
         print(f"# regime {regime}: {REGIMES[regime].title}")
     for name in args.models:
