@@ -160,9 +160,13 @@ def check_comes_back_unpatched(pack, model, caplog, why):
     assert why in caplog.text
 
 
-def check_compiles_clean(pack, patched, sample, backend="eager"):
+def check_compiles_clean(pack, patched, sample, backend="eager", unpatched=None):
     """``patched`` sampled eagerly, then twice compiled: no graph break, no frame skipped, at most
-    MAX_GRAPHS graphs in the first run, none in the second; the eager output and the same plans."""
+    MAX_GRAPHS graphs in the first run, none in the second; the eager output and the same plans.
+
+    ``unpatched``: the compile_count of a model that breaks the graph by itself, outside its blocks; then
+    ``patched`` breaks it only where and as often as that model does, leaves no more frames to eager, and adds
+    at most a graph per merge path beyond the first."""
     runtime = pack.nodes.runtime.runtime_of(patched)
     with compiling.constant_free_memory():
         eager = sample(patched)
@@ -174,7 +178,13 @@ def check_compiles_clean(pack, patched, sample, backend="eager"):
         with compiling.counting(fresh=False) as second:
             again = sample(model)
     assert report.levels, "nothing merged: the count would prove nothing"
-    assert first.clean() and 1 <= first.graphs <= MAX_GRAPHS, str(first)
+    if unpatched is None:
+        assert first.clean() and 1 <= first.graphs <= MAX_GRAPHS, str(first)
+    else:
+        compared = f"patched: {first}\nunpatched: {unpatched}"
+        assert first.graph_breaks == unpatched.graph_breaks, compared
+        assert first.frames_skipped <= unpatched.frames_skipped, compared
+        assert unpatched.graphs <= first.graphs <= unpatched.graphs + MAX_GRAPHS - 1, compared
     assert second.graphs == 0 and not second.recompiles and second.clean(), str(second)
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, out)
@@ -184,3 +194,11 @@ def check_compiles_clean(pack, patched, sample, backend="eager"):
         if hasattr(plan, "destinations"):
             assert torch.equal(report.plans[key].destinations, plan.destinations), key
     return first, report
+
+
+def compile_count(model, sample, backend="eager"):
+    """What dynamo does (compiling.DynamoCount) while ``model``, compiled as check_compiles_clean compiles it,
+    samples once."""
+    with compiling.constant_free_memory(), compiling.counting() as count:
+        sample(compiling.compiled(model, backend=backend))
+    return count

@@ -30,7 +30,7 @@ class Row:
     comfy.supported_models class a ComfyUI tree must have (``tree``: the setup script of the first test
     tree that has it); ``build()`` its ModelPatcher; ``text(batch, tokens, seed)`` its conditioning;
     latents are (B, ``channels``, [frames,] H, W), with a frames axis for ``video`` and ``frame_axis``
-    (Qwen-Image: one Wan-VAE frame), ``patch`` latent pixels a token per side; ``sizes`` {"odd": odd and
+    (Qwen-Image: one Wan-VAE frame), or what ``latent`` makes (a nested latent, compared flattened), ``patch`` latent pixels a token per side; ``sizes`` {"odd": odd and
     non-square, "square": ...} in latent pixels; ``texts`` (short, long) text lengths; ``lora_key`` a
     weight inside a merged block; ``bound`` the relative L2 ratio 0.5 stays under (2 steps of the random
     model: a few times what was measured)."""
@@ -48,6 +48,8 @@ class Row:
     bound: float = 0.25
     video: bool = False
     frame_axis: bool = False
+    latent: object = None  # (batch, frames, (h, w)) -> the model's empty latent, where not one tensor (MiniMax-H3)
+    max_batch: int | None = None  # the largest batch the model takes (MiniMax-H3: 1); the checks' batches are capped
 
 
 def text(context_dim, **options):
@@ -60,7 +62,8 @@ def nextdit_text(config):
         config["cap_feat_dim"], 1, tokens, seed, attention_mask=torch.ones(1, tokens, dtype=torch.long))
 
 
-CURRENT, NEWEST = "tests/setup_current.sh", "tests/setup_newest.sh"
+CURRENT, NEWEST, TREE_2026 = "tests/setup_current.sh", "tests/setup_newest.sh", "tests/setup_2026.sh"
+TREES = {CURRENT: ".comfyui-current", NEWEST: ".comfyui-newest", TREE_2026: ".comfyui-2026"}  # what each script makes
 IMAGE = {"odd": (27, 39), "square": (16, 16)}  # patch 2: 14x20 tokens (no window of 4 divides it), 8x8
 ROWS = {
     "flux": Row("FLUX", "Flux", CURRENT, lambda: models.build_flux(seed=1),
@@ -103,14 +106,27 @@ ROWS = {
                            text(models.HUNYUAN_VIDEO15_TINY["context_in_dim"], pooled_output=None), 32, 1,
                            {"odd": (7, 9), "square": (6, 6)}, (30, 77),
                            "diffusion_model.double_blocks.2.img_mlp.0.weight", video=True),
+    "minimax_h3": Row("MINIMAX_H3", "MiniMaxH3", TREE_2026, lambda: models.build_minimax_h3(seed=61),
+                      text(models.MINIMAX_H3_TINY["text_dim"]), models.MINIMAX_H3_TINY["latents_dim"], 2,
+                      {"odd": (13, 19), "square": (12, 12)}, (11, 40), "diffusion_model.blocks.2.attn.qkv_proj.weight",
+                      bound=0.1, video=True, latent=lambda batch, frames, size: models.minimax_h3_latent(batch, frames, size),
+                      max_batch=1),
 }
 NAMES = sorted(ROWS)
 # Half ratio: every size, batch and text length once, and 1, 5 and 9 latent frames on video:
 # (size, batch, text (0 short, 1 long), latent frames)
 IMAGE_CASES = [("odd", 1, 0, 5), ("square", 2, 1, 5)]
 VIDEO_CASES = [("odd", 2, 1, 1), ("square", 1, 0, 5), ("odd", 1, 0, 9)]
+
+
+def capped(row, batch: int) -> int:
+    """``batch``, or the row's largest batch where that is smaller."""
+    return batch if row.max_batch is None else min(batch, row.max_batch)
+
+
 HALF_RATIO = [pytest.param(name, case, id=f"{name}-{case[0]}-batch{case[1]}-text{case[2]}-frames{case[3]}")
-              for name in NAMES for case in (VIDEO_CASES if ROWS[name].video else IMAGE_CASES)]
+              for name in NAMES for case in [(size, capped(ROWS[name], batch), text, frames) for size, batch, text, frames
+                                             in (VIDEO_CASES if ROWS[name].video else IMAGE_CASES)]]
 # Every token a destination: windows of 2 x 2 tokens over one frame, and fewer merged than a window holds
 EXACT = {"ratio": 0.1, "window": 2, "temporal_window": 1}
 
@@ -132,8 +148,7 @@ def row(request, pack):
 
     row = ROWS[request.param]
     if not hasattr(comfy.supported_models, row.host):
-        pytest.skip(f"{row.host} is not in this ComfyUI: bash {row.tree}, then COMFYUI_PATH=.comfyui-"
-                    f"{'newest' if row.tree == NEWEST else 'current'}")
+        pytest.skip(f"{row.host} is not in this ComfyUI: bash {row.tree}, then COMFYUI_PATH={TREES[row.tree]}")
     return row
 
 
@@ -162,10 +177,18 @@ def family_of(pack, row):
 
 
 def sample(row, model, size="odd", batch=1, text=0, frames=5, cfg=1.0, seed=0, steps=2):
-    frame_axis = [frames] if row.video else [1] if row.frame_axis else []
-    latent = torch.zeros(batch, row.channels, *frame_axis, *row.sizes[size])
-    return sampling.sample(model, row.text(batch, row.texts[text], seed), latent, steps=steps, cfg=cfg,
-                           scheduler="simple", seed=seed)
+    """The sampled latent (a nested one flattened: (B, every stream's values)), the batch capped to the row's."""
+    batch = capped(row, batch)
+    if row.latent is not None:
+        latent = row.latent(batch, frames, row.sizes[size])
+    else:
+        frame_axis = [frames] if row.video else [1] if row.frame_axis else []
+        latent = torch.zeros(batch, row.channels, *frame_axis, *row.sizes[size])
+    out = sampling.sample(model, row.text(batch, row.texts[text], seed), latent, steps=steps, cfg=cfg,
+                          scheduler="simple", seed=seed)
+    if getattr(out, "is_nested", False):
+        return torch.cat([t.flatten(1) for t in out.unbind()], dim=1)
+    return out
 
 
 def grid(row, size="odd", frames=5) -> tuple[int, ...]:
@@ -404,6 +427,9 @@ def row_name(row) -> str:
 # Families whose own model breaks the graph under torch.compile, patched or not
 MODEL_BREAKS_GRAPH = {"hidream": "HiDream's MoE routes tokens with boolean masks (sizes that depend on the data): "
                                  "the unpatched model breaks the graph too"}
+# ... and whose breaks sit outside the blocks: there the patched model must compile as the unpatched one does
+# (dit_checks.check_compiles_clean with the unpatched model's count)
+BREAKS_OUTSIDE_BLOCKS = {"minimax_h3": "MiniMax-H3's forward reads its timestep on the host (float(), Tensor.item())"}
 
 
 @every_family
@@ -411,11 +437,16 @@ def test_compiles_clean(pack, row, model):
     """Under ComfyUI's TorchCompileModel (dynamo backend "eager", toma_bench.compiling): the basic node
     at its defaults and the Advanced node at every scope the family honours compile without a graph
     break or a frame left to eager, one graph per merge path, none new in a second run, with the eager
-    output and the same plans (dit_checks.check_compiles_clean)."""
+    output and the same plans (dit_checks.check_compiles_clean); a model that breaks the graph outside its
+    blocks (BREAKS_OUTSIDE_BLOCKS) breaks it patched only as it does unpatched."""
     if row_name(row) in MODEL_BREAKS_GRAPH:
         pytest.skip(MODEL_BREAKS_GRAPH[row_name(row)])
     (basic,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(model, 0.5, 4, 5)
     cases = [basic] + [dit_checks.toma_patched(pack, model, scope=scope)[0]
                        for scope in family_of(pack, row).placements]
+    unpatched = None
+    if row_name(row) in BREAKS_OUTSIDE_BLOCKS:
+        unpatched = dit_checks.compile_count(model, lambda m: sample(row, m, steps=3))
+        assert unpatched.breaks, f"{BREAKS_OUTSIDE_BLOCKS[row_name(row)]} no longer: it belongs in the plain check"
     for patched in cases:
-        dit_checks.check_compiles_clean(pack, patched, lambda m: sample(row, m, steps=3))
+        dit_checks.check_compiles_clean(pack, patched, lambda m: sample(row, m, steps=3), unpatched=unpatched)

@@ -256,8 +256,55 @@ def test_real_480p_latent_with_tiny_width(pack):
                                                              "group": "video", "grid": [2, 30, 52]}}
 
 
-@pytest.mark.parametrize("variant,why", [("s2v", "without transformer_options"), ("humo", "equal runs per frame")])
+# The Wan variants of ComfyUI v0.33.0 (2026) the Wan declaration serves: FlowRVS is a plain WanModel, WanDancer's
+# music injector runs between the blocks on full-length tokens (its music features: 20 frames x 35)
+SERVED_2026 = ("flow_rvs", "wandancer")
+MUSIC_FRAMES, MUSIC_FEATURES = 20, 35
+
+
+def model_class_or_skip(variant: str) -> None:
+    """Skip, saying which tree has it, where this ComfyUI lacks ``variant``'s model class."""
+    import comfy.supported_models
+
+    name = models.WAN_VARIANTS[variant][0]
+    if not hasattr(comfy.supported_models, name):
+        pytest.skip(f"{name} is not in this ComfyUI: bash tests/setup_2026.sh, then COMFYUI_PATH=.comfyui-2026")
+
+
+def sample_2026(model, variant, batch=1, cfg=1.0, seed=0):
+    """A zero latent of 5 frames x 12x16 sampled with ``variant``'s inputs (WanDancer: music features)."""
+    g = torch.Generator().manual_seed(100 + seed)
+    options = {"audio_embed": torch.randn(batch, MUSIC_FRAMES, MUSIC_FEATURES, generator=g)} if variant == "wandancer" else {}
+    conditioning = models.wan_conditioning(models.WAN_TINY, batch, 77, seed, **options)
+    return sampling.sample(model, conditioning, torch.zeros(batch, 16, 5, *SIZES["square"]), steps=2, cfg=cfg,
+                           scheduler="simple", seed=seed)
+
+
+@pytest.mark.parametrize("variant", SERVED_2026)
+def test_2026_variants_merge_their_video(pack, variant):
+    """FlowRVS and WanDancer: the Wan declaration serves them; with every token a destination the output is the
+    unpatched model's (batch rows and CFG batches too), at ratio 0.5 it changes a little and the stats count
+    only the video grid."""
+    model_class_or_skip(variant)
+    model = models.build_wan(variant, seed=31)
+    assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.families.WAN
+    patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=1)
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample_2026(m, variant, batch=2, cfg=2.0))
+    t, h, w = token_grid(5, SIZES["square"])
+    assert list(runtime.summary()["levels"]) == [f"video {t}x{h}x{w}"]
+    patched, runtime = toma_patched(pack, model)
+    out, reference = sample_2026(patched, variant), sample_2026(model, variant)
+    assert torch.isfinite(out).all() and 0.0 < relative_l2(out, reference) < 0.1
+    assert {k: v["tokens"] for k, v in runtime.summary()["levels"].items()} == {f"video {t}x{h}x{w}": t * h * w}
+
+
+@pytest.mark.parametrize("variant,why", [("s2v", "without transformer_options"), ("humo", "equal runs per frame"),
+                                         ("causal_ar", "chunk by chunk with KV caches"),
+                                         ("animate2", "frame by frame to the pose branch"),
+                                         ("scail", "pose tokens follow the video"),
+                                         ("scail2", "pose tokens follow the video")])
 def test_unserved_variants_come_back_unpatched(pack, variant, why, caplog):
+    model_class_or_skip(variant)
     model = models.build_wan(variant, seed=9)
     assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.families.WAN
     dit_checks.check_comes_back_unpatched(pack, model, caplog, why)

@@ -66,7 +66,7 @@ class OtherTree:
 class Spec:
     """One real-size model as users run it. model_config: the name of ComfyUI's supported_models class
     (its absence means the tree has no such model); config: its unet_config; latent: the empty latent's
-    shape (LTX-2: the video's and the audio's); conditioning: () -> (positive, negative); cfg above 1
+    shape (LTX-2, MiniMax-H3: the video's and the audio's, a nested latent where the host's sampler carries it); conditioning: () -> (positive, negative); cfg above 1
     batches cond and uncond; tree: where the model is not the host's (OtherTree); params: the config as
     this tree's model class takes it."""
 
@@ -82,6 +82,7 @@ class Spec:
     mask_share: float | None = None  # a model that indexes by data-dependent masks: the share each selects
     tree: OtherTree | None = None
     params: Callable | None = None  # unet_config -> what this tree's model takes (newer trees require more fields)
+    host_timestep: bool = False  # the model reads its timestep's value (MiniMax-H3): it stays on the CPU, a sync
 
 
 SD35_LARGE = {
@@ -147,6 +148,13 @@ def drive_ltx2(model, spec: Spec, sigmas: torch.Tensor, rec, runtimes: list) -> 
 LTX2_TREE = OtherTree(ltx2_source.missing, ltx2_source.lightricks_modules, "LTXAVModel", drive_ltx2)
 
 
+# MiniMax-H3 at its templates' 1344x768: 48 x 84 latent pixels (VAE 16x), 24 x 42 tokens a latent frame. 124 frames
+# at 24 fps are 37 latent frames (2 + 5 per 17 frames) and 207 audio latent frames at 40 a second (414 rows, stereo)
+def _minimax_h3_latent(frames: int, latent_frames: int):
+    audio = round(frames / 24 * 40)
+    return ((1, 24, latent_frames, 48, 84), (1, 32, 2, audio))
+
+
 def _ltx2_text():
     """LTX-2's text: Gemma-3-12B tokens padded by its connectors' registers to 1024, video and audio
     contexts side by side (2 x 3840)."""
@@ -197,6 +205,15 @@ SPECS = {s.name: s for s in (
     # LTX-2's text-to-video template (1280x720, 121 frames at 24 fps) samples twice: 20 steps at half size
     # with CFG 4, then, upscaled, 3 steps with CFG 1 (the distilled LoRA). Its blocks are called as the
     # tree that has it calls them (drive_ltx2), past the host's sampler
+    # MiniMax-H3 (ComfyUI v0.33.0 on): 30 steps with CFG (15 recorded: the same per-step mix), and the 8-step
+    # distilled variant (the turbo LoRA on the same model) at CFG 1; Qwen3-VL text, 256 tokens. Batch 1 only:
+    # cond and uncond are separate calls
+    Spec("minimax_h3", "MiniMax-H3 1344x768 x 124 frames (37,296 video + 414 audio + 256 text tokens), CFG 5 "
+         "(cond and uncond one call each)", "MiniMaxH3", models.MINIMAX_H3_FULL, _minimax_h3_latent(124, 37),
+         _text(5120, 256), host_timestep=True),
+    Spec("minimax_h3_8step", "MiniMax-H3 8-step distilled 1344x768 x 124 frames (37,296 video + 414 audio + 256 "
+         "text tokens), CFG 1", "MiniMaxH3", models.MINIMAX_H3_FULL, _minimax_h3_latent(124, 37), _text(5120, 256),
+         steps=8, cfg=1.0, host_timestep=True),
     Spec("ltx2", "LTX-2 19B, the template's first pass: 640x360 x 121 frames (3,520 video + 127 audio + 1,024 "
          "text tokens), CFG batch 2 (CFG 4); model called directly, as tests/test_ltx2.py does", "LTXV",
          models.LTX2_FULL, ((1, 128, 16, 11, 20), (1, 8, 127, 16)), _ltx2_text, cfg=4.0, tree=LTX2_TREE),
@@ -405,6 +422,15 @@ def run_sigmas(model, steps: int) -> torch.Tensor:
     return comfy.samplers.calculate_sigmas_scheduler(model.model, "simple", steps)
 
 
+def empty_latent(shape: tuple):
+    """Zeros of ``shape``; a NestedTensor of zeros where it is several streams' shapes (MiniMax-H3)."""
+    if isinstance(shape[0], int):
+        return torch.zeros(shape)
+    import comfy.nested_tensor
+
+    return comfy.nested_tensor.NestedTensor([torch.zeros(s) for s in shape])
+
+
 def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Recorded:
     import comfy.sample
     import comfy.samplers
@@ -422,8 +448,9 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
         # the call's inputs on meta, as they are on the GPU in a real run; the sigmas in
         # transformer_options stay on the CPU for the pack's read of the step
         c = {k: v if k == "transformer_options" else tree_map(to_meta, v) for k, v in args["c"].items()}
+        timestep = args["timestep"] if spec.host_timestep else to_meta(args["timestep"])
         with rec.model_call() if rec is not None else contextlib.nullcontext():
-            return apply_model(to_meta(args["input"]), to_meta(args["timestep"]), **c)
+            return apply_model(to_meta(args["input"]), timestep, **c)
 
     model = model.clone()
     model.set_model_unet_function_wrapper(wrapper)
@@ -442,7 +469,7 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
                     runtime.stages.listeners[:] = [rec.stage_listener]
                 if spec.tree is None:
                     positive, negative = spec.conditioning()
-                    latent = torch.zeros(spec.latent)
+                    latent = empty_latent(spec.latent)
                     comfy.sample.sample_custom(model, latent, spec.cfg, sampler, sigmas, positive, negative, latent,
                                                disable_pbar=True, seed=SEED)
                 else:

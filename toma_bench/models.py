@@ -325,6 +325,43 @@ def build_ltx2(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
     return _patcher(base.to(dtype))
 
 
+# MiniMax-H3 (ComfyUI v0.33.0 on) as ComfyUI's model_detection reads it (its class defaults): 50 blocks of 56
+# heads x 128, a 2-layer text refiner over Qwen3-VL states (5120), 24-channel video latents patched 1x2x2,
+# stereo 32-channel audio latents (2 rows a latent frame), RoPE over (t, h, w) on 96 of each head's 128 channels.
+MINIMAX_H3_FULL = {"image_model": "minimax_h3", "num_layers": 50, "token_refiner_num_layers": 2, "hidden_size": 5376,
+                   "latents_dim": 24, "audio_latents_dim": 32, "attention_head_dim": 128, "num_attention_heads": 56,
+                   "ffn_hidden_size": 14336, "text_dim": 5120, "timestep_input_dim": 256,
+                   "time_embed_hidden_size": 5376, "time_embed_dim": 2688, "rope_inv_freq_len": 16}
+# Tiny, for tests: 4 blocks (the first never merges), 2 heads x 32 (RoPE on 24 channels), one refiner layer.
+MINIMAX_H3_TINY = dict(MINIMAX_H3_FULL, num_layers=4, token_refiner_num_layers=1, hidden_size=64,
+                       attention_head_dim=32, num_attention_heads=2, ffn_hidden_size=128, text_dim=48,
+                       time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
+MINIMAX_H3_AUDIO_FRAMES = 9  # the tests' audio latent frames (18 packed audio rows)
+
+
+def build_minimax_h3(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight MiniMax-H3 (MINIMAX_H3_TINY unless ``config``). Its RoPE
+    frequencies are a buffer a checkpoint fills and ComfyUI leaves uninitialised: they get base-10000 ones."""
+    import comfy.supported_models
+
+    base = _random_dit(comfy.supported_models.MiniMaxH3(dict(config or MINIMAX_H3_TINY)), seed, dtype, device)
+    inv_freq = base.diffusion_model.rope.inv_freq
+    with torch.no_grad():
+        inv_freq.copy_(10000.0 ** (-torch.arange(inv_freq.numel(), dtype=torch.float32) / inv_freq.numel()))
+    return _patcher(base)
+
+
+def minimax_h3_latent(batch: int, frames: int, size, config: dict | None = None,
+                      audio_frames: int = MINIMAX_H3_AUDIO_FRAMES):
+    """The empty latent ComfyUI's EmptyMiniMaxH3LatentAV gives: a NestedTensor [video (batch, 24, frames, h, w),
+    audio (batch, 32, 2, audio_frames)]."""
+    import comfy.nested_tensor
+
+    config = config or MINIMAX_H3_TINY
+    return comfy.nested_tensor.NestedTensor((torch.zeros(batch, config["latents_dim"], frames, *size),
+                                             torch.zeros(batch, config["audio_latents_dim"], 2, audio_frames)))
+
+
 def video_conditioning(arch: str, config: dict, batch: int = 1, tokens: int = 77, seed: int = 0,
                        text_mask: torch.Tensor | None = None, **extra):
     """(positive, negative) CONDITIONING for a model built by build_hunyuan_video ("hunyuan_video") or
@@ -377,6 +414,13 @@ WAN_VARIANTS = {
     "animate": ("WAN22_Animate", {"model_type": "animate", "in_dim": 36}),
     "s2v": ("WAN22_S2V", {"model_type": "s2v", "audio_dim": 32, "num_audio_token": 2, "audio_inject_layers": [0, 2]}),
     "humo": ("WAN21_HuMo", {"model_type": "humo"}),
+    # ComfyUI v0.33.0 (2026)
+    "flow_rvs": ("WAN21_FlowRVS", {"model_type": "flow_rvs"}),  # a plain WanModel (image-to-image flow)
+    "wandancer": ("WAN22_WanDancer", {"model_type": "wandancer", "audio_inject_layers": [0, 2]}),  # music-driven
+    "causal_ar": ("WAN21_CausalAR_T2V", {}),
+    "animate2": ("WAN_Animate2", {"model_type": "animate2"}),
+    "scail": ("WAN21_SCAIL", {"model_type": "scail", "in_dim": 20}),  # 16 latent + 4 mask channels
+    "scail2": ("WAN21_SCAIL2", {"model_type": "scail2", "in_dim": 20}),
 }
 
 

@@ -14,6 +14,17 @@ def seeded_noise(shape, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+def noise_for(latent, seed: int):
+    """The initial noise of ``latent`` for ``seed``, as ComfyUI's KSampler node draws it: a nested latent
+    ([video, audio] of MiniMax-H3) gets a NestedTensor of draws from one generator, stream after stream."""
+    if not getattr(latent, "is_nested", False):
+        return seeded_noise(latent.shape, seed)
+    import comfy.nested_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    return comfy.nested_tensor.NestedTensor([torch.randn(t.shape, generator=g) for t in latent.unbind()])
+
+
 @contextlib.contextmanager
 def seeded_global_rngs(seed: int):
     """Python's and torch's global RNGs seeded with ``seed`` inside the block and restored after it:
@@ -34,14 +45,14 @@ def sample(model, conditioning, latent: torch.Tensor, *, steps: int, cfg: float 
            global_rngs: bool = False, **options) -> torch.Tensor:
     """``latent`` sampled by ``model`` without a progress bar; the sampled latent.
 
-    ``conditioning``: (positive, negative), as models.conditioning returns them. ``noise``: seeded_noise
-    of ``seed`` unless given. ``global_rngs``: sample inside seeded_global_rngs(seed). ``options`` go on to
+    ``conditioning``: (positive, negative), as models.conditioning returns them. ``noise``: noise_for
+    ``seed`` unless given. ``global_rngs``: sample inside seeded_global_rngs(seed). ``options`` go on to
     comfy.sample.sample (``callback``, ...).
     """
     import comfy.sample
 
     positive, negative = conditioning
-    noise = seeded_noise(latent.shape, seed) if noise is None else noise
+    noise = noise_for(latent, seed) if noise is None else noise
     with seeded_global_rngs(seed) if global_rngs else contextlib.nullcontext():
         return comfy.sample.sample(model, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
                                    denoise=denoise, seed=seed, disable_pbar=True, **options)

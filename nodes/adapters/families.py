@@ -7,7 +7,7 @@ depths skip the same fraction of each group (dit.SKIP_FRACTION, by the group's r
 layers over one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
 """
 from .. import placement
-from . import hidream, hunyuan_video, ltxv, lumina, qwen_image, wan
+from . import hidream, hunyuan_video, ltxv, lumina, minimax, qwen_image, wan
 from .dit import JOINT, TWO_STREAM, VIDEO
 from .family import OBJECT_PATCH, BlockGroup, DiTFamily
 
@@ -62,6 +62,13 @@ WAN = DiTFamily("Wan 2.1/2.2", ("Wan",), True, "comfy.ldm.wan.model:WanModel",
                 never_merged="text, CLIP image tokens, reference and subject frames, the TI2V first frame",
                 unserved=wan.unserved, feed_forward=("cross_attn", "ffn"))
 
+# MiniMax-H3 (video+audio, batch 1): one packed sequence [text, keyframe/reference rows, audio, video] per call,
+# read from its PackedLayout at BaseModel._apply_model; the video rows merge, every row before them stays whole.
+MINIMAX_H3 = DiTFamily("MiniMax-H3", ("MiniMax-H3",), True, "comfy.ldm.minimax.model:MiniMaxH3Model",
+                       (BlockGroup("blocks", "double_block", VIDEO, "packed_block"),), minimax.PackedPatch,
+                       minimax.PackedLayoutStash, wrappers=("APPLY_MODEL",), placements=WITH_KEYS_VALUES,
+                       never_merged="text, audio, keyframe and reference rows")
+
 QWEN_IMAGE = DiTFamily("Qwen-Image", ("Qwen-Image",), False, "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",
                        (BlockGroup("transformer_blocks", "double_block", TWO_STREAM, "double_block"),),
                        qwen_image.QwenImagePatch, placements=WITH_KEYS_VALUES,
@@ -87,4 +94,4 @@ HIDREAM = DiTFamily("HiDream", ("HiDream",), False, "comfy.ldm.hidream.model:HiD
                     placements=WITH_KEYS_VALUES, never_merged="text and Llama layer tokens", unserved=hidream.unserved,
                     read_outside=True)
 
-DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)
+DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, MINIMAX_H3, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)

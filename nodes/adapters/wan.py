@@ -4,10 +4,9 @@ span frames x rows x columns of the video's token grid.
 
 Served: T2V and I2V/FLF2V 2.1 (CLIP image tokens are part of ``context``, which cross-attention reads
 in full), the 2.2 14B high- and low-noise experts (the same class), the 2.2 5B TI2V model, VACE, Camera,
-Fun models with a reference latent, and Animate. Left unpatched, with a message: S2V (its blocks are
-called without ``transformer_options``, so they can find neither the sampling step nor the token grid)
-and HuMo (its audio cross-attention cuts the video tokens into equal runs per frame, which merged
-tokens do not form).
+Fun models with a reference latent, Animate, FlowRVS (a plain WanModel) and WanDancer (its music injector
+runs between the blocks on full-length tokens, as VACE's hints do). Left unpatched, with a message (REFUSED:
+S2V, HuMo, CausalAR, Animate 2, SCAIL and SCAIL 2).
 
 What a block call sees and what runs merged:
 - Tokens: [reference, video, time-concatenated frames]. The reference latent of Fun models
@@ -37,18 +36,28 @@ Token grid: Wan's DIFFUSION_MODEL executor runs around ``_forward``, which sees 
 W) padded to the patch (1, 2, 2), the timesteps and the reference latent: T x ceil(H/2) x ceil(W/2)
 tokens (less the first frame under per-frame timesteps), passed to the runtime as (frames, h, w).
 """
+import importlib
+
 import torch
 
 from .dit import DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows
 
 SERVED = ("T2V, I2V, FLF2V, 2.2 14B high/low-noise, 2.2 5B TI2V, VACE, Camera, Fun with reference latent, "
-          "Animate")
+          "Animate, FlowRVS, WanDancer")
 # Variants whose blocks ComfyUI calls in a way merged tokens cannot follow, and why.
 REFUSED = {
     "WanModel_S2V": "its blocks are called without transformer_options, so they can find neither the "
                     "sampling step nor the token grid",
     "HumoWanModel": "its audio cross-attention cuts the video tokens into equal runs per frame, which "
                     "merged tokens do not form",
+    "CausalWanModel": "its causal sampler calls its blocks chunk by chunk with KV caches (forward_block), past "
+                      "the \"dit\" block patches",
+    "WanAnimate2Model": "its self-attention attends frame by frame to the pose branch (queries in runs of h x w "
+                        "tokens a frame), which merged tokens do not form",
+    "SCAILWanModel": "its pose tokens follow the video in a layout of their own (another grid, another RoPE) that "
+                     "the Wan layout does not read yet",
+    "SCAIL2WanModel": "its pose tokens follow the video in a layout of their own (another grid, another RoPE) that "
+                      "the Wan layout does not read yet",
 }
 
 
@@ -58,11 +67,14 @@ def served_classes() -> tuple:
 
     classes = [wan.WanModel] + [getattr(wan, name) for name in ("VaceWanModel", "CameraWanModel")
                                 if hasattr(wan, name)]
-    try:
-        from comfy.ldm.wan.model_animate import AnimateWanModel
-    except ImportError:  # a ComfyUI before Wan 2.2 Animate
-        return tuple(classes)
-    return (*classes, AnimateWanModel)
+    # Wan 2.2 Animate, WanDancer: absent from older trees
+    for module, name in (("comfy.ldm.wan.model_animate", "AnimateWanModel"),
+                         ("comfy.ldm.wan.model_wandancer", "WanDancerModel")):
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(classes)
 
 
 def unserved(dm) -> str | None:
