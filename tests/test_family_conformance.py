@@ -30,7 +30,7 @@ class Row:
     comfy.supported_models class a ComfyUI tree must have (``tree``: the setup script of the first test
     tree that has it); ``build()`` its ModelPatcher; ``text(batch, tokens, seed)`` its conditioning;
     latents are (B, ``channels``, [frames,] H, W), with a frames axis for ``video`` and ``frame_axis``
-    (Qwen-Image: one Wan-VAE frame), or what ``latent`` makes (a nested latent, compared flattened), ``patch`` latent pixels a token per side; ``sizes`` {"odd": odd and
+    (Qwen-Image, Krea 2: one Wan-VAE frame), or what ``latent`` makes (a nested latent, compared flattened), ``patch`` latent pixels a token per side; ``sizes`` {"odd": odd and
     non-square, "square": ...} in latent pixels; ``texts`` (short, long) text lengths; ``lora_key`` a
     weight inside a merged block; ``bound`` the relative L2 ratio 0.5 stays under (2 steps of the random
     model: a few times what was measured)."""
@@ -106,6 +106,9 @@ ROWS = {
                            text(models.HUNYUAN_VIDEO15_TINY["context_in_dim"], pooled_output=None), 32, 1,
                            {"odd": (7, 9), "square": (6, 6)}, (30, 77),
                            "diffusion_model.double_blocks.2.img_mlp.0.weight", video=True),
+    "krea2": Row("KREA2", "Krea2", TREE_2026, lambda: models.build_krea2(seed=71),
+                 text(models.KREA2_TINY["txtlayers"] * models.KREA2_TINY["txtdim"]), 16, 2, IMAGE, (23, 40),
+                 "diffusion_model.blocks.2.attn.wv.weight", frame_axis=True),
     "minimax_h3": Row("MINIMAX_H3", "MiniMaxH3", TREE_2026, lambda: models.build_minimax_h3(seed=61),
                       text(models.MINIMAX_H3_TINY["text_dim"]), models.MINIMAX_H3_TINY["latents_dim"], 2,
                       {"odd": (13, 19), "square": (12, 12)}, (11, 40), "diffusion_model.blocks.2.attn.qkv_proj.weight",

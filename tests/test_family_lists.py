@@ -24,8 +24,8 @@ SCOPE_WHERE = ["scope tooltip", "ToMAPatchModelAdvanced.DESCRIPTION", "README no
 
 
 def supported_models_rows() -> list[str]:
-    """The first column of each row of the README's "Supported models" table."""
-    section = (REPO / "README.md").read_text().split("## Supported models", 1)[1].split("\n## ", 1)[0]
+    """The first column of each row of the README's "Supported models" table (up to the next heading)."""
+    section = re.split(r"\n##+ ", (REPO / "README.md").read_text().split("## Supported models", 1)[1], maxsplit=1)[0]
     return [line.split("|")[1] for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
 
 
@@ -98,3 +98,32 @@ def test_the_generated_lists_are_what_the_registry_writes(pack):
     --write's output for this registry (run it after changing a declaration's names)."""
     assert family_lists.stale(pack) == []
     assert all(family_lists.SPAN.search(page.read_text()) for page in family_lists.HELP_PAGES)
+
+
+# v0.33.0's supported_models classes that are no image or video diffusion model (the README says so)
+NOT_IMAGE_OR_VIDEO = {"StableAudio", "StableAudio3", "ACEStep", "ACEStep15", "MiniMaxMusic3", "Hunyuan3Dv2",
+                      "Hunyuan3Dv2mini", "Hunyuan3Dv2_1", "TripoSplat", "Trellis2", "RT_DETR_v4", "SAM3", "SAM31",
+                      "DepthAnything3"}
+EVERY_MODEL = "### Every diffusion model of ComfyUI v0.33.0"
+
+
+def every_model_rows() -> list[str]:
+    """The classes the first column of the README's table of v0.33.0's diffusion models names."""
+    section = (REPO / "README.md").read_text().split(EVERY_MODEL, 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    return [name.strip() for row in rows for name in row.split(",")]
+
+
+def test_the_readme_names_every_diffusion_class_of_the_tree(pack):
+    """In a tree of v0.33.0's generation (it has MiniMaxH3), the README's table names every class of its
+    supported_models list, once, but the audio, 3-D and detection models it leaves out (and says so)."""
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "MiniMaxH3"):
+        pytest.skip("the table is v0.33.0's: bash tests/setup_2026.sh, then COMFYUI_PATH=.comfyui-2026")
+    classes = {cls.__name__ for cls in comfy.supported_models.models}
+    rows = every_model_rows()
+    assert len(rows) == len(set(rows))
+    assert set(rows) == classes - NOT_IMAGE_OR_VIDEO
+    intro = (REPO / "README.md").read_text().split(EVERY_MODEL, 1)[1].split("\n|", 1)[0]
+    assert all(named(name, intro) for name in NOT_IMAGE_OR_VIDEO & classes)

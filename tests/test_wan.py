@@ -257,8 +257,9 @@ def test_real_480p_latent_with_tiny_width(pack):
 
 
 # The Wan variants of ComfyUI v0.33.0 (2026) the Wan declaration serves: FlowRVS is a plain WanModel, WanDancer's
-# music injector runs between the blocks on full-length tokens (its music features: 20 frames x 35)
-SERVED_2026 = ("flow_rvs", "wandancer")
+# music injector runs between the blocks on full-length tokens (its music features: 20 frames x 35), SCAIL and
+# SCAIL 2 put a reference frame before the video and pose tokens (a grid of their own) after it
+SERVED_2026 = ("flow_rvs", "wandancer", "scail", "scail2")
 MUSIC_FRAMES, MUSIC_FEATURES = 20, 35
 
 
@@ -272,9 +273,15 @@ def model_class_or_skip(variant: str) -> None:
 
 
 def sample_2026(model, variant, batch=1, cfg=1.0, seed=0):
-    """A zero latent of 5 frames x 12x16 sampled with ``variant``'s inputs (WanDancer: music features)."""
+    """A zero latent of 5 frames x 12x16 sampled with ``variant``'s inputs (WanDancer: music features; SCAIL: a
+    reference frame and a pose video)."""
     g = torch.Generator().manual_seed(100 + seed)
-    options = {"audio_embed": torch.randn(batch, MUSIC_FRAMES, MUSIC_FEATURES, generator=g)} if variant == "wandancer" else {}
+    options = {}
+    if variant == "wandancer":
+        options = {"audio_embed": torch.randn(batch, MUSIC_FRAMES, MUSIC_FEATURES, generator=g)}
+    if variant in ("scail", "scail2"):  # the pose video at half the size: its grid is not the video's
+        options = {"reference_latents": [torch.randn(batch, 16, 1, *SIZES["square"], generator=g)],
+                   "pose_video_latent": torch.randn(batch, 16, 5, 6, 8, generator=g)}
     conditioning = models.wan_conditioning(models.WAN_TINY, batch, 77, seed, **options)
     return sampling.sample(model, conditioning, torch.zeros(batch, 16, 5, *SIZES["square"]), steps=2, cfg=cfg,
                            scheduler="simple", seed=seed)
@@ -282,9 +289,9 @@ def sample_2026(model, variant, batch=1, cfg=1.0, seed=0):
 
 @pytest.mark.parametrize("variant", SERVED_2026)
 def test_2026_variants_merge_their_video(pack, variant):
-    """FlowRVS and WanDancer: the Wan declaration serves them; with every token a destination the output is the
-    unpatched model's (batch rows and CFG batches too), at ratio 0.5 it changes a little and the stats count
-    only the video grid."""
+    """FlowRVS, WanDancer, SCAIL and SCAIL 2: the Wan declaration serves them; with every token a destination the
+    output is the unpatched model's (batch rows and CFG batches too), at ratio 0.5 it changes a little and the
+    stats count only the video grid (never SCAIL's reference frame and pose tokens)."""
     model_class_or_skip(variant)
     model = models.build_wan(variant, seed=31)
     assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.families.WAN
@@ -300,9 +307,7 @@ def test_2026_variants_merge_their_video(pack, variant):
 
 @pytest.mark.parametrize("variant,why", [("s2v", "without transformer_options"), ("humo", "equal runs per frame"),
                                          ("causal_ar", "chunk by chunk with KV caches"),
-                                         ("animate2", "frame by frame to the pose branch"),
-                                         ("scail", "pose tokens follow the video"),
-                                         ("scail2", "pose tokens follow the video")])
+                                         ("animate2", "frame by frame to the pose branch")])
 def test_unserved_variants_come_back_unpatched(pack, variant, why, caplog):
     model_class_or_skip(variant)
     model = models.build_wan(variant, seed=9)

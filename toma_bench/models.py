@@ -325,6 +325,22 @@ def build_ltx2(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
     return _patcher(base.to(dtype))
 
 
+# Krea 2 (ComfyUI v0.33.0 on) as ComfyUI's model_detection reads it (the class defaults): 28 single-stream blocks of
+# 48 query and 12 key-value heads of 128, text from 12 layers of Qwen3-VL-4B (2560) fused, Wan 2.1 latents, patch 2.
+KREA2_FULL = {"image_model": "krea2", "features": 6144, "channels": 16, "patch": 2, "layers": 28, "heads": 48,
+              "kvheads": 12, "txtlayers": 12, "txtdim": 2560}
+# Tiny, for tests: 4 blocks (the first never merges), 4 heads of 16 over 2 key-value heads, 2 text layers of 32.
+KREA2_TINY = dict(KREA2_FULL, features=64, layers=4, heads=4, kvheads=2, txtlayers=2, txtdim=32, txtheads=2,
+                  txtkvheads=2)
+
+
+def build_krea2(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+    """A ComfyUI ModelPatcher around a random-weight Krea 2 (KREA2_TINY unless ``config``)."""
+    import comfy.supported_models
+
+    return _patcher(_random_dit(comfy.supported_models.Krea2(dict(config or KREA2_TINY)), seed, dtype, device))
+
+
 # MiniMax-H3 (ComfyUI v0.33.0 on) as ComfyUI's model_detection reads it (its class defaults): 50 blocks of 56
 # heads x 128, a 2-layer text refiner over Qwen3-VL states (5120), 24-channel video latents patched 1x2x2,
 # stereo 32-channel audio latents (2 rows a latent frame), RoPE over (t, h, w) on 96 of each head's 128 channels.

@@ -7,7 +7,7 @@ depths skip the same fraction of each group (dit.SKIP_FRACTION, by the group's r
 layers over one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
 """
 from .. import placement
-from . import hidream, hunyuan_video, ltxv, lumina, minimax, qwen_image, wan
+from . import hidream, hunyuan_video, krea2, ltxv, lumina, minimax, qwen_image, wan
 from .dit import JOINT, TWO_STREAM, VIDEO
 from .family import OBJECT_PATCH, BlockGroup, DiTFamily
 
@@ -94,4 +94,11 @@ HIDREAM = DiTFamily("HiDream", ("HiDream",), False, "comfy.ldm.hidream.model:HiD
                     placements=WITH_KEYS_VALUES, never_merged="text and Llama layer tokens", unserved=hidream.unserved,
                     read_outside=True)
 
-DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, MINIMAX_H3, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM)
+# Krea 2 (ComfyUI v0.33.0 on): one joint sequence [text, image, references] per block, blocks called directly, so
+# each block's forward is object-patched; the image merges, text and style references stay whole.
+KREA2 = DiTFamily("Krea 2", ("Krea 2",), False, "comfy.ldm.krea2.model:SingleStreamDiT",
+                  (BlockGroup("blocks", "block", JOINT, "block_forward"),), krea2.Krea2Patch, krea2.Krea2LayoutStash,
+                  patch_size="patch", intercept=OBJECT_PATCH, placements=WITH_KEYS_VALUES,
+                  never_merged="text, reference images", unserved=krea2.unserved)
+
+DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, MINIMAX_H3, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM, KREA2)

@@ -4,14 +4,16 @@ span frames x rows x columns of the video's token grid.
 
 Served: T2V and I2V/FLF2V 2.1 (CLIP image tokens are part of ``context``, which cross-attention reads
 in full), the 2.2 14B high- and low-noise experts (the same class), the 2.2 5B TI2V model, VACE, Camera,
-Fun models with a reference latent, Animate, FlowRVS (a plain WanModel) and WanDancer (its music injector
-runs between the blocks on full-length tokens, as VACE's hints do). Left unpatched, with a message (REFUSED:
-S2V, HuMo, CausalAR, Animate 2, SCAIL and SCAIL 2).
+Fun models with a reference latent, Animate, FlowRVS (a plain WanModel), WanDancer (its music injector
+runs between the blocks on full-length tokens, as VACE's hints do), SCAIL and SCAIL 2 (reference frames lead
+the video in time, the pose tokens follow it: both stay whole). Left unpatched, with a message (REFUSED: S2V,
+HuMo, CausalAR, Animate 2).
 
 What a block call sees and what runs merged:
-- Tokens: [reference, video, time-concatenated frames]. The reference latent of Fun models
-  (``ref_conv``) is prepended; Phantom's subject frames (``time_dim_concat``) follow the video as extra
-  frames. Only the video grid merges; reference and subject tokens, and the text and CLIP tokens of
+- Tokens: [reference, video, time-concatenated frames, pose]. The reference latent of Fun models
+  (``ref_conv``) is prepended, SCAIL's reference frames too (in time, the video's grid); Phantom's subject
+  frames (``time_dim_concat``) follow the video as extra frames, SCAIL's pose tokens (their own grid)
+  come last. Only the video grid merges; reference and subject tokens, and the text and CLIP tokens of
   cross-attention, never do.
 - Positions: ``pe`` holds one 3-D RoPE row per token (dim 1, in the order above); a merged token takes
   its destination's row.
@@ -37,13 +39,14 @@ W) padded to the patch (1, 2, 2), the timesteps and the reference latent: T x ce
 tokens (less the first frame under per-frame timesteps), passed to the runtime as (frames, h, w).
 """
 import importlib
+import math
 
 import torch
 
 from .dit import DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows
 
 SERVED = ("T2V, I2V, FLF2V, 2.2 14B high/low-noise, 2.2 5B TI2V, VACE, Camera, Fun with reference latent, "
-          "Animate, FlowRVS, WanDancer")
+          "Animate, FlowRVS, WanDancer, SCAIL, SCAIL 2")
 # Variants whose blocks ComfyUI calls in a way merged tokens cannot follow, and why.
 REFUSED = {
     "WanModel_S2V": "its blocks are called without transformer_options, so they can find neither the "
@@ -54,10 +57,6 @@ REFUSED = {
                       "the \"dit\" block patches",
     "WanAnimate2Model": "its self-attention attends frame by frame to the pose branch (queries in runs of h x w "
                         "tokens a frame), which merged tokens do not form",
-    "SCAILWanModel": "its pose tokens follow the video in a layout of their own (another grid, another RoPE) that "
-                     "the Wan layout does not read yet",
-    "SCAIL2WanModel": "its pose tokens follow the video in a layout of their own (another grid, another RoPE) that "
-                      "the Wan layout does not read yet",
 }
 
 
@@ -67,6 +66,7 @@ def served_classes() -> tuple:
 
     classes = [wan.WanModel] + [getattr(wan, name) for name in ("VaceWanModel", "CameraWanModel")
                                 if hasattr(wan, name)]
+    classes += [getattr(wan, name) for name in ("SCAILWanModel", "SCAIL2WanModel") if hasattr(wan, name)]
     # Wan 2.2 Animate, WanDancer: absent from older trees
     for module, name in (("comfy.ldm.wan.model_animate", "AnimateWanModel"),
                          ("comfy.ldm.wan.model_wandancer", "WanDancerModel")):
@@ -101,6 +101,12 @@ class VideoLayoutStash(LayoutStash):
     def __init__(self, target, patch_size, runtime=None):
         super().__init__(target, tuple(patch_size), runtime)
         self.prepends_reference = getattr(target.__self__, "ref_conv", None) is not None
+        # SCAIL and SCAIL 2: reference frames before the video in time, pose tokens after everything
+        self.pose_branch = getattr(target.__self__, "patch_embedding_pose", None) is not None
+
+    def tokens(self, latent) -> int:
+        """Tokens of a (B, C, T, H, W) latent padded to the patch."""
+        return math.prod(patched_side(side, p) for side, p in zip(latent.shape[2:], self.patch))
 
     def layout(self, call: dict) -> ImageLayout | None:
         x = call.get("x")
@@ -113,6 +119,10 @@ class VideoLayoutStash(LayoutStash):
         lead = 0
         if self.prepends_reference and torch.is_tensor(reference):  # ref_conv: a strided conv, no padding
             lead = (reference.shape[-2] // self.patch[1]) * (reference.shape[-1] // self.patch[2])
+        elif self.pose_branch:
+            lead = self.tokens(reference) if torch.is_tensor(reference) else 0
+            pose = call.get("pose_latents")
+            extra += self.tokens(pose) if torch.is_tensor(pose) else 0
         if per_frame(call.get("timestep")):
             lead, frames = lead + h * w, frames - 1
         return ImageLayout(h, w, extra, frames, lead) if frames > 0 else None
