@@ -8,8 +8,10 @@ where the model-call wrapper stashed it (dit.LayoutStash). Where a cache replace
 ``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video), that wrapper never runs: those families
 read the layout outside the diffusion model too (DiTFamily.read_outside).
 
-The caches' code is read from mirrors of their repositories at test time (toma_bench/pack_source.py); the
-cases skip with the reason where there is none, or where the cache alone fails in this tree. A stand-in for
+The caches' code is read from mirrors of their repositories at test time (toma_bench/pack_source.py): the
+original, or where it does not import in this tree a fork kept running there (TeaCache in ComfyUI v0.33.0:
+FurkanGozukara/ComfyUI-TeaCache). The cases skip with the reason where there is no mirror, where no
+implementation imports in this tree (MagCache in v0.33.0), or where the cache alone fails in this tree. A stand-in for
 the mechanism, a model-call wrapper that calls the blocks without transformer_options, always runs.
 """
 import logging
@@ -46,17 +48,20 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def caches(pack):
-    """{"teacache": apply(model, family) -> model, "magcache": ...} for the packs whose mirror is here."""
+    """{"teacache": its nodes module, "magcache": ...}, or why there is none here: the reason the mirrors are
+    missing, or why none of the implementations imports in this tree."""
     out = {}
     for name in ("teacache", "magcache"):
-        if pack_source.missing(name) is None:
+        try:
             out[name] = pack_source.load(name)
+        except (FileNotFoundError, ImportError) as error:
+            out[name] = str(error)
     return out
 
 
 def apply_cache(caches, name, model, family):
-    if name not in caches:
-        pytest.skip(pack_source.missing(name))
+    if isinstance(caches[name], str):
+        pytest.skip(caches[name])
     if name == "teacache":
         return caches[name].TeaCache().apply_teacache(model, TEACACHE[family], 0.4, 0.0, 1.0, "cpu")[0]
     return caches[name].MagCache().apply_magcache(model, MAGCACHE[family], 0.3, 0.2, 6, 0, -1)[0]

@@ -149,3 +149,24 @@ def test_real_1024_latent_with_tiny_width(pack, arch):
     assert out.shape == (1, 16, 128, 128) and torch.isfinite(out).all()
     levels = runtime.summary()["levels"]
     assert levels and all(v["tokens"] == 4096 and v["merged_tokens"] == 2048 for v in levels.values())
+
+
+def test_a_field_the_model_class_requires_is_what_model_detection_reads_from_the_layout(pack, built, monkeypatch):
+    """A field this tree's Flux requires and the test config leaves out (as ComfyUI v0.33's FluxParams.txt_ids_dims
+    is for configs written before it) gets the value model detection reads from the layout: guidance_embed left
+    out gives a model without the guidance embedder, detected as such; the model has the weights of the one
+    built with that value. Where detection does not give the field, the error names it."""
+    import comfy.model_detection
+
+    config = {k: v for k, v in models.FLUX_TINY.items() if k != "guidance_embed"}
+    model = models.build_flux(seed=1, config=config)
+    assert model.model.model_config.unet_config["guidance_embed"] is False
+    weights = model.model.diffusion_model.state_dict()
+    reference = models.build_flux(seed=1, config=dict(models.FLUX_TINY, guidance_embed=False))
+    expected = reference.model.diffusion_model.state_dict()
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+    assert any(k.startswith("guidance_in.") for k in built["flux"].model.diffusion_model.state_dict())
+
+    monkeypatch.setattr(comfy.model_detection, "detect_unet_config", lambda state_dict, prefix, metadata=None: {})
+    with pytest.raises(RuntimeError, match="requires guidance_embed"):
+        models.build_flux(seed=1, config=config)

@@ -129,7 +129,7 @@ def test_unsupported_family_is_returned_unpatched_with_a_message(pack, caplog):
               "n_heads": 4, "global_conddim": 64, "cond_seq_dim": 32, "max_seq": 256}
     aura = comfy.supported_models.AuraFlow(config)
     aura.set_inference_dtype(torch.float32, None)
-    model = comfy.model_patcher.ModelPatcher(aura.get_model({}), load_device=mm.get_torch_device(),
+    model = comfy.model_patcher.ModelPatcher(models.build_base(aura), load_device=mm.get_torch_device(),
                                              offload_device=mm.unet_offload_device())
     dit_checks.check_comes_back_unpatched(pack, model, caplog, "AuraFlow is not supported")
     families = [adapter.name for adapter in pack.nodes.adapters.ADAPTERS]

@@ -37,10 +37,12 @@ def main(argv=None) -> None:
     print("| cache | model | model calls | skipped by the cache | ToMA in the calls that ran |")
     print("| --- | --- | --- | --- | --- |")
     for name in ("teacache", "magcache"):
-        if pack_source.missing(name):
-            print(f"| {name} | - | {pack_source.missing(name)} | | |")
+        try:
+            module = pack_source.load(name)
+        except (FileNotFoundError, ImportError) as why:
+            print(f"| {name} | - | {why} | | |")
             continue
-        module = pack_source.load(name)
+        cache = f"{name} ({module.origin})"
         for family, (build, conditioning, latent, _, _) in FAMILIES.items():
             stacked = cached(name, module, build(), family)
             (patched,) = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(stacked, 0.5, 4, 1)
@@ -49,7 +51,7 @@ def main(argv=None) -> None:
             ran = max((level["steps"] for level in summary["levels"].values()), default=0)
             merged = ", ".join(f"{label}: {v['tokens']} -> {v['merged_tokens']} tokens"
                                for label, v in summary["levels"].items()) or f"nothing ({summary['unmerged']})"
-            print(f"| {name} | {family} | {args.steps} | {args.steps - ran} | {merged} |")
+            print(f"| {cache} | {family} | {args.steps} | {args.steps - ran} | {merged} |")
 
 
 if __name__ == "__main__":

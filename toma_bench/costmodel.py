@@ -66,9 +66,10 @@ class OtherTree:
 class Spec:
     """One real-size model as users run it. model_config: the name of ComfyUI's supported_models class
     (its absence means the tree has no such model); config: its unet_config; latent: the empty latent's
-    shape (LTX-2, MiniMax-H3: the video's and the audio's, a nested latent where the host's sampler carries it); conditioning: () -> (positive, negative); cfg above 1
-    batches cond and uncond; tree: where the model is not the host's (OtherTree); params: the config as
-    this tree's model class takes it."""
+    shape (LTX-2, MiniMax-H3: the video's and the audio's, a nested latent where the host's sampler carries it);
+    conditioning: () -> (positive, negative); cfg above 1 batches cond and uncond; tree: where the model is not the
+    host's (OtherTree). The fields a tree's model class requires beyond the config come from its model detection
+    (models.build_base)."""
 
     name: str
     title: str
@@ -81,7 +82,6 @@ class Spec:
     unet: bool = False
     mask_share: float | None = None  # a model that indexes by data-dependent masks: the share each selects
     tree: OtherTree | None = None
-    params: Callable | None = None  # unet_config -> what this tree's model takes (newer trees require more fields)
     host_timestep: bool = False  # the model reads its timestep's value (MiniMax-H3): it stays on the CPU, a sync
 
 
@@ -178,8 +178,7 @@ SPECS = {s.name: s for s in (
          cfg=2.5),
     Spec("hunyuan_video", "HunyuanVideo 720p x 129 frames (118,800 video + 256 text tokens), CFG 1",
          "HunyuanVideo", models.HUNYUAN_VIDEO_FULL, (1, 16, 33, 90, 160),
-         lambda: models.video_conditioning("hunyuan_video", models.HUNYUAN_VIDEO_FULL, 1, 256, SEED), cfg=1.0,
-         params=models.hunyuan_video_params),
+         lambda: models.video_conditioning("hunyuan_video", models.HUNYUAN_VIDEO_FULL, 1, 256, SEED), cfg=1.0),
     Spec("wan_480p", "Wan 2.1 14B 832x480 x 81 frames (32,760 video + 512 text tokens), CFG 5", "WAN21_T2V",
          WAN_14B, (1, 16, 21, 60, 104), lambda: models.wan_conditioning(WAN_14B, 1, 512, SEED)),
     Spec("wan_720p", "Wan 2.1 14B 1280x720 x 81 frames (75,600 video + 512 text tokens), CFG 5",
@@ -230,18 +229,12 @@ def build_meta(spec: Spec, unet_model=None):
     """A ModelPatcher around ``spec``'s model with its weights on the meta device (shapes, no data);
     sampler-side tensors stay on the CPU, so the pack reads its step as it does on a GPU. unet_model: the
     diffusion model's class of a model from another tree (in a plain flow-matching BaseModel)."""
-    import comfy.model_base
     import comfy.model_patcher
     import comfy.supported_models
 
-    config = spec.params(dict(spec.config)) if spec.params else dict(spec.config)
-    model_config = getattr(comfy.supported_models, spec.model_config)(config)
+    model_config = getattr(comfy.supported_models, spec.model_config)(dict(spec.config))
     model_config.set_inference_dtype(DTYPE, None)
-    if unet_model is None:
-        base = model_config.get_model({}, device="meta")
-    else:
-        base = comfy.model_base.BaseModel(model_config, comfy.model_base.ModelType.FLUX, device="meta",
-                                          unet_model=unet_model)
+    base = models.build_base(model_config, "meta", unet_model)
     cpu = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
 

@@ -6,8 +6,8 @@ nodes.py, folder_paths, server or execution: they live in comfy.cmd and comfy.no
 dependencies the test venv lacks (configargparse and humanize at comfy.model_management and
 comfy.model_patcher, and jax, lightning, opentelemetry...). So ``lightricks_modules()`` takes the three files
 of ``comfy/ldm/lightricks`` LTX-2 needs (model.py, av_model.py, symmetric_patchifier.py) from a bare git
-mirror of that tree (COMFYUI_LTX2_MIRROR, default ../.mirror/hiddenswitch+pip-and-uv-installable-ComfyUI/repo
-beside this checkout) into a temporary folder, and loads them in place of the host tree's
+mirror of that tree (COMFYUI_LTX2_MIRROR, default hiddenswitch+pip-and-uv-installable-ComfyUI/repo in the folder
+of mirrors toma_bench/pack_source.py finds) into a temporary folder, and loads them in place of the host tree's
 ``comfy.ldm.lightricks`` modules while it is open (current ComfyUI or later). Nothing of that tree is kept in
 the repository. The host's sampler has no LTX-2 latent (a [video, audio] pair): callers call the model as
 the sampler would.
@@ -20,9 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from . import pack_source
+
 MIRROR = Path(os.environ.get("COMFYUI_LTX2_MIRROR",
-                             REPO.parent / ".mirror" / "hiddenswitch+pip-and-uv-installable-ComfyUI" / "repo"))
+                             pack_source.MIRRORS / "hiddenswitch+pip-and-uv-installable-ComfyUI" / "repo"))
 MODULES = ("symmetric_patchifier", "model", "av_model")  # in import order
 
 

@@ -6,6 +6,7 @@ tiny init. ComfyUI must already be importable with the CPU selected (see comfy_h
 module imports comfy lazily.
 """
 import math
+import re
 
 import torch
 
@@ -75,7 +76,7 @@ def build_unet(arch: str = "sd15", seed: int = 0, dtype: torch.dtype = torch.flo
     cls, default = family[arch]
     cfg = cls(dict(config or default))
     cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({})
+    base = build_base(cfg)
     init_weights_(base, seed, draw_device)
     base.to(dtype)
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
@@ -179,11 +180,61 @@ def _patcher(base):
     return comfy.model_patcher.ModelPatcher(base, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())
 
+# How Python says a constructor lacks fields: "FluxParams.__init__() missing 1 required positional argument:
+# 'txt_ids_dims'" (two: "...: 'a' and 'b'", three or more: "...: 'a', 'b', and 'c'").
+_MISSING_FIELDS = re.compile(r"(\w+)\.__init__\(\) missing \d+ required (?:positional|keyword-only) arguments?: (.+)")
+
+
+def build_base(model_config, device=None, unet_model=None):
+    """The BaseModel of a ComfyUI ``model_config`` (a supported_models class instance; weights uninitialised, as
+    ComfyUI creates them), built as ComfyUI builds a checkpoint of that layout: a field this tree's constructors
+    require and ``model_config.unet_config`` leaves out (one a later tree added: ComfyUI v0.33's
+    FluxParams.txt_ids_dims, ChromaParams.vec_in_dim, HunyuanVideoParams.meanflow_sum) gets the value ComfyUI's
+    model detection (``comfy.model_detection.detect_unet_config``) reads from the state dict of that layout,
+    built on the meta device with the field at None; it is added to ``unet_config``. A field detection does not
+    give is an error that names it. The test configs therefore hold what makes a layout (widths, depths, which
+    parts exist), not each tree's bookkeeping. ``unet_model``: the diffusion model's class, in a plain
+    flow-matching BaseModel (LTX-2)."""
+    import comfy.model_base
+
+    def build(on):
+        if unet_model is None:
+            return model_config.get_model({}, device=on)
+        return comfy.model_base.BaseModel(model_config, comfy.model_base.ModelType.FLUX, device=on,
+                                          unet_model=unet_model)
+
+    config, filled, owner = model_config.unet_config, [], None
+    while True:
+        try:
+            base = build("meta" if filled else device)
+            break
+        except TypeError as error:
+            lack = _MISSING_FIELDS.search(str(error))
+            names = re.findall(r"'(\w+)'", lack.group(2)) if lack else []
+            if not names or set(names) & set(filled):  # not a lacking field, or one that is not the config's
+                raise
+            owner = lack.group(1)
+            filled += names
+            config.update(dict.fromkeys(names))
+    if not filled:
+        return base
+    import comfy.model_detection
+
+    detected = comfy.model_detection.detect_unet_config(base.diffusion_model.state_dict(), "") or {}
+    lacking = [name for name in filled if name not in detected]
+    if lacking or detected.get("image_model") != config.get("image_model"):
+        raise RuntimeError(f"this ComfyUI's {owner} requires {', '.join(filled)}; model detection reads the layout of "
+                           f"{type(model_config).__name__}({config.get('image_model')!r}) as "
+                           f"{detected.get('image_model')!r} and gives {sorted(set(filled) - set(lacking))}")
+    config.update({name: detected[name] for name in filled})
+    return build(device)
+
+
 def _random_dit(model_config, seed: int, dtype: torch.dtype, device=None, draw_device=None, cast: bool = True):
-    """The random-weight BaseModel of a ComfyUI ``model_config`` (a supported_models class instance):
-    layers in ``dtype``, every parameter drawn from ``seed``, unit norm scales."""
+    """The random-weight BaseModel of a ComfyUI ``model_config`` (a supported_models class instance; built by
+    build_base): layers in ``dtype``, every parameter drawn from ``seed``, unit norm scales."""
     model_config.set_inference_dtype(dtype, None)
-    base = model_config.get_model({}, device=device)
+    base = build_base(model_config, device)
     init_weights_(base, seed, draw_device)
     _unit_norm_scales_(base)
     return base.to(dtype) if cast else base
@@ -210,7 +261,7 @@ def build_sd3(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | 
 
     cfg = comfy.supported_models.SD3(dict(config or SD3_TINY))
     cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({}, device=device)
+    base = build_base(cfg, device)
     init_weights_(base, seed)
     _unit_norm_scales_(base)
     dm = base.diffusion_model
@@ -274,18 +325,7 @@ def build_hunyuan_video(seed: int = 0, dtype: torch.dtype = torch.float32, confi
     import comfy.supported_models
 
     family = comfy.supported_models.HunyuanImage21 if image else comfy.supported_models.HunyuanVideo
-    return _patcher(_random_dit(family(hunyuan_video_params(config or HUNYUAN_VIDEO_TINY)), seed, dtype, device))
-
-
-def hunyuan_video_params(config: dict) -> dict:
-    """``config`` with the HunyuanVideo 1.5 fields (a text-type embedding, SigLIP tokens) off, where this
-    ComfyUI's HunyuanVideoParams has them (v0.3.75 on: it requires them) and ``config`` leaves them out."""
-    import dataclasses
-
-    from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
-
-    fields = {f.name for f in dataclasses.fields(HunyuanVideoParams)}
-    return {**{k: v for k, v in HUNYUAN_VIDEO15_OFF.items() if k in fields}, **config}
+    return _patcher(_random_dit(family(dict(config or HUNYUAN_VIDEO_TINY)), seed, dtype, device))
 
 
 def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
@@ -319,7 +359,7 @@ def build_ltx2(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict |
 
     model_config = comfy.supported_models.LTXV(dict(config or LTX2_TINY))
     model_config.set_inference_dtype(dtype, None)
-    base = comfy.model_base.BaseModel(model_config, comfy.model_base.ModelType.FLUX, device=device, unet_model=LTXAVModel)
+    base = build_base(model_config, device, unet_model=LTXAVModel)
     init_weights_(base, seed)
     _unit_norm_scales_(base)
     return _patcher(base.to(dtype))
@@ -565,8 +605,6 @@ FLUX2_FULL = {
 # Tiny, for tests: both block groups present (1 of 2 double, 3 of 3 single blocks merge).
 FLUX2_TINY = dict(FLUX2_FULL, context_in_dim=64, hidden_size=64, num_heads=4, depth=2, depth_single_blocks=3,
                   axes_dim=[4, 4, 4, 4])
-# What HunyuanVideo 1.0 sets in ComfyUI v0.3.75 for the fields HunyuanVideo 1.5 added.
-HUNYUAN_VIDEO15_OFF = {"use_cond_type_embedding": False, "vision_in_dim": None}
 # HunyuanVideo 1.5 (8.3B): 32-channel latents (VAE stride 4 x 16 x 16) with image and mask channels concatenated
 # (32 + 32 + 1), patch 1 x 1 x 1, Qwen2.5-VL text (3584), SigLIP vision tokens (1152) before the text.
 HUNYUAN_VIDEO15_FULL = dict(HUNYUAN_VIDEO_FULL, in_channels=65, out_channels=32, vec_in_dim=None,

@@ -3,10 +3,12 @@ public repositories, never kept in this one.
 
 ``load(name)`` writes a pack's module from its mirror's HEAD into a temporary folder and imports it under
 a private module name (``toma_bench_mirror_<pack>_<module>``), as ComfyUI would load the pack's nodes; the
-host's ComfyUI must already be importable. A module that imports its pack's siblings or libraries the test
-venv lacks (raylight's xfuser) is given them by the caller through ``stand_ins`` (module name -> module),
-present in sys.modules only while it is imported. Mirrors live beside this checkout
-(../.mirror/<owner>+<name>/repo), or where TOMA_MIRRORS points.
+host's ComfyUI must already be importable. A pack may have several implementations (the original and the
+forks that kept it running in later ComfyUI trees): ``load`` takes the first whose mirror is here and whose
+module imports in this tree, and says which (``origin``). A module that imports its pack's siblings or
+libraries the test venv lacks (raylight's xfuser) is given them by the caller through ``stand_ins`` (module
+name -> module), present in sys.modules only while it is imported. Mirrors live in a ``.mirror`` folder
+beside this checkout or in any folder above it (../.mirror/<owner>+<name>/repo), or where TOMA_MIRRORS points.
 """
 import importlib.util
 import os
@@ -16,45 +18,84 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-MIRRORS = Path(os.environ.get("TOMA_MIRRORS", REPO.parent / ".mirror"))
-PACKS = {  # name -> GitHub owner/name
-    "teacache": "welltop-cn/ComfyUI-TeaCache",
-    "magcache": "Zehong-Ma/ComfyUI-MagCache",
-    "raylight": "komikndr/raylight",
+
+
+def _mirrors() -> Path:
+    if os.environ.get("TOMA_MIRRORS"):
+        return Path(os.environ["TOMA_MIRRORS"])
+    found = [folder / ".mirror" for folder in REPO.parents if (folder / ".mirror").is_dir()]
+    return found[0] if found else REPO.parent / ".mirror"
+
+
+MIRRORS = _mirrors()
+PACKS = {  # name -> the GitHub owner/name of each implementation, in the order load() tries them
+    # The original (to July 2025) imports comfy.ldm.lightricks.model.precompute_freqs_cis, which ComfyUI v0.33.0
+    # no longer has; FurkanGozukara's fork (to 2026-08) imports the lightricks helpers only where they exist,
+    # Encoded404's (to 2026-08) takes a precompute_freqs_cis from comfy.text_encoders.llama.
+    "teacache": ("welltop-cn/ComfyUI-TeaCache", "FurkanGozukara/ComfyUI-TeaCache",
+                 "Encoded404/ComfyUI-TeaCache-CosmosPredict"),
+    # The original (to Nov 2025) imports the same function; its forks are older copies of it (wzgrx 2025-11,
+    # aziib 2025-08) or a rewrite for Flux and Wan 2.1 with other inputs (wildminder, 2025-06): none runs in
+    # v0.33.0.
+    "magcache": ("Zehong-Ma/ComfyUI-MagCache",),
+    "raylight": ("komikndr/raylight",),
 }
 
 
+def mirror_of(repo: str) -> Path:
+    return MIRRORS / repo.replace("/", "+") / "repo"
+
+
 def mirror(name: str) -> Path:
-    return MIRRORS / PACKS[name].replace("/", "+") / "repo"
+    """The mirror of pack ``name``'s first implementation that is here (else where the first would be)."""
+    present = [mirror_of(repo) for repo in PACKS[name] if mirror_of(repo).is_dir()]
+    return present[0] if present else mirror_of(PACKS[name][0])
 
 
 def missing(name: str) -> str | None:
     """Why pack ``name``'s code cannot be read here, or None."""
-    if mirror(name).is_dir():
+    if any(mirror_of(repo).is_dir() for repo in PACKS[name]):
         return None
-    return f"no mirror of {PACKS[name]} (looked at {mirror(name)}; set TOMA_MIRRORS to the folder of mirrors)"
+    return (f"no mirror of {' or '.join(PACKS[name])} (looked in {MIRRORS}; set TOMA_MIRRORS to the folder of "
+            "mirrors)")
 
 
-def source(name: str, path: str) -> str:
-    """The text of ``path`` at the HEAD of pack ``name``'s mirror."""
-    return subprocess.run(["git", "--git-dir", str(mirror(name)), "show", f"HEAD:{path}"], check=True,
+def source(name: str, path: str, repo: str | None = None) -> str:
+    """The text of ``path`` at the HEAD of the mirror of ``repo`` (default: pack ``name``'s first one here)."""
+    git_dir = mirror_of(repo) if repo else mirror(name)
+    return subprocess.run(["git", "--git-dir", str(git_dir), "show", f"HEAD:{path}"], check=True,
                           capture_output=True, text=True).stdout
 
 
 def load(name: str, path: str = "nodes.py", stand_ins: dict | None = None, module_name: str | None = None):
-    """Pack ``name``'s module ``path`` imported from its mirror (FileNotFoundError with the reason where
-    there is none; the module's own ImportError where this ComfyUI lacks what it imports).
-    ``module_name``: the name to import it under, where its relative imports must resolve (against
-    ``stand_ins``); by default a private one."""
+    """Pack ``name``'s module ``path`` imported from the first of its mirrors here in which it imports in this
+    ComfyUI; its ``origin`` says which repository it is. FileNotFoundError with the reason where there is no
+    mirror; ImportError naming each implementation and why it failed where none imports (a module that lacks
+    what it imports from this ComfyUI). ``module_name``: the name to import it under, where its relative
+    imports must resolve (against ``stand_ins``); by default a private one."""
     reason = missing(name)
     if reason:
         raise FileNotFoundError(reason)
+    failed = []
+    for repo in PACKS[name]:
+        if not mirror_of(repo).is_dir():
+            continue
+        try:
+            module = _import(repo, name, path, stand_ins or {}, module_name)
+        except ImportError as error:  # this implementation against this tree
+            failed.append(f"{repo}: {type(error).__name__}: {error}")
+            continue
+        module.origin = repo
+        return module
+    raise ImportError(f"no {name} implementation imports in this ComfyUI: {'; '.join(failed)}")
+
+
+def _import(repo: str, name: str, path: str, stand_ins: dict, module_name: str | None):
     module_name = module_name or f"toma_bench_mirror_{name}_{Path(path).with_suffix('').as_posix().replace('/', '_')}"
-    stand_ins = stand_ins or {}
     saved = {key: sys.modules.get(key) for key in stand_ins}
     with tempfile.TemporaryDirectory(prefix=f"{name}_") as folder:
         file = Path(folder) / Path(path).name
-        file.write_text(source(name, path))
+        file.write_text(source(name, path, repo))
         spec = importlib.util.spec_from_file_location(module_name, file)
         module = importlib.util.module_from_spec(spec)
         try:

@@ -223,7 +223,7 @@ def build_sd15(config: dict, seed: int, dtype: torch.dtype):
     cfg = comfy.supported_models.SD15(dict(config))
     cfg.unet_config.update(num_heads=config["num_heads"], num_head_channels=config["num_head_channels"])
     cfg.set_inference_dtype(dtype, None)
-    base = cfg.get_model({})
+    base = models.build_base(cfg)
     models.init_weights_(base, seed)
     return comfy.model_patcher.ModelPatcher(base.to(dtype), load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())
