@@ -435,3 +435,61 @@ def test_a_plan_built_merged_and_unmerged_compiles_with_inductor_as_one_graph():
         torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 1  # the second seed recompiles nothing
     torch._dynamo.reset()
+
+
+# Slabs of a 5 x 7 x 10 grid as raylight cuts 350 tokens over 3 ranks (117 a rank, the last short), and the
+# slabs of a 4 x 6 x 8 grid over 2 ranks: two whole frames each, the 2-frame windows whole
+CUT_SLABS = ((5, 7, 10), ((0, 117), (117, 234), (234, 350)))
+WHOLE_SLABS = ((4, 6, 8), ((0, 96), (96, 192)))
+
+
+def test_slabs_of_whole_windows_plan_as_the_whole_grid():
+    """Slabs whose bounds fall between windows merge exactly as the whole grid's plan does on their tokens."""
+    from toma_core.tiles import Slab
+
+    shape, bounds = WHOLE_SLABS
+    x = torch.randn(2, math.prod(shape), 16, generator=gen(5))
+    whole = plan_tiles(x, shape, 4, 0.5, temporal_window=2)
+    parts = [plan_tiles(x[:, b:e], Slab(shape, b, e), 4, 0.5, temporal_window=2) for b, e in bounds]
+    assert torch.equal(torch.cat([p.merge(x[:, b:e]) for p, (b, e) in zip(parts, bounds)], 1), whole.merge(x))
+    assert torch.equal(torch.cat([p.destination_tokens() + b for p, (b, _) in zip(parts, bounds)], 1),
+                       whole.destination_tokens())
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.75])
+def test_slabs_that_cut_windows_merge_their_own_tokens_to_equal_lengths(ratio):
+    """Each slab's windows are the grid's cut to it: every token of the slab in one window, destinations only
+    among the slab's tokens, the unmerge of a merge of equal tokens the tokens themselves; with the extra
+    destinations slab_extras gives them, every slab merges to as many tokens (the longest at the ratio)."""
+    from toma_core.plan import kept_per_tile, slab_extras
+    from toma_core.tiles import Slab
+
+    shape, bounds = CUT_SLABS
+    grids = [token_grid(Slab(shape, b, e), 4, 2) for b, e in bounds]
+    for grid, (b, e) in zip(grids, bounds):
+        ids = torch.arange(b, e, dtype=torch.float32).view(1, -1, 1)
+        tiles = tile_tokens(ids, grid)[0, ..., 0]
+        assert sorted(tiles[grid.valid].tolist()) == list(range(b, e))  # each token in one slot
+        assert (tiles[~grid.valid] == 0).all()
+    fixed = (0, 0, 1)  # the last rank's padding token stays a token of its own
+    extras = slab_extras(tuple(grids), fixed, ratio)
+    kept = [sum(kept_per_tile(g, ratio)) for g in grids]
+    assert [f + k + x for f, k, x in zip(fixed, kept, extras)] == [max(f + k for f, k in zip(fixed, kept))] * 3
+    for (b, e), extra in zip(bounds, extras):
+        x = torch.randn(1, e - b, 8, generator=gen(b))
+        plan = plan_tiles(x, Slab(shape, b, e, extra), 4, ratio, temporal_window=2)
+        assert plan.num_merged == max(f + k for f, k in zip(fixed, kept)) - fixed[bounds.index((b, e))]
+        destinations = plan.destination_tokens()
+        assert destinations.min() >= 0 and destinations.max() < e - b
+        same = x.mean(1, keepdim=True).expand_as(x)  # equal tokens: merging loses nothing
+        assert torch.allclose(plan.unmerge(plan.merge(same)), same, atol=1e-5)
+
+
+def test_slab_extras_say_when_a_slab_cannot_keep_as_many():
+    from toma_core.plan import slab_extras
+    from toma_core.tiles import Slab
+
+    shape, bounds = CUT_SLABS
+    grids = tuple(token_grid(Slab(shape, b, e), 4, 2) for b, e in bounds)
+    with pytest.raises(ValueError, match="cannot keep"):
+        slab_extras(grids, (100, 0, 0), 0.5)

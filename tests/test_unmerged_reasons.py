@@ -100,7 +100,8 @@ def test_positions_that_do_not_fit(pack, wan, caplog):
 
 @current_only
 def test_a_sequence_parallel_slab(pack, wan, caplog):
-    """Fewer tokens than the layout: a slab of the sequence (raylight); the model call steps aside."""
+    """Fewer tokens than the layout: a slab of the sequence (raylight) whose rank no xfuser group names; the model
+    call steps aside."""
     dit = pack.nodes.adapters.dit
     args, patch, runtime = wan_call(pack, wan, dit.ImageLayout(h=4, w=5, frames=3), tokens=30)
     with caplog.at_level(logging.WARNING, logger=LOGGER):

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,3 +109,41 @@ def _import(repo: str, name: str, path: str, stand_ins: dict, module_name: str |
                 else:
                     sys.modules[key] = previous
     return module
+
+
+def stand_in_module(name: str, **attributes) -> types.ModuleType:
+    """A module (a package: it may have submodules) named ``name`` holding ``attributes``."""
+    module = types.ModuleType(name)
+    module.__path__ = []
+    module.__dict__.update(attributes)
+    return module
+
+
+RAYLIGHT_USP = (  # raylight's modules its Wan USP injection needs, in import order: (module name, path)
+    ("raylight.diffusion_models.utils", "src/raylight/diffusion_models/utils.py"),
+    ("raylight.diffusion_models.wan.xdit_context_parallel", "src/raylight/diffusion_models/wan/xdit_context_parallel.py"),
+    ("raylight.distributed_modules.usp", "src/raylight/distributed_modules/usp.py"),
+)
+
+
+def raylight_usp(rank, world, sp_group, attention) -> dict:
+    """raylight's sequence-parallel (USP) modules from its mirror, against stand-ins for xfuser: ``rank()`` and
+    ``world()`` its sequence-parallel rank and size, ``sp_group`` its group (``all_gather(x, dim)``),
+    ``attention`` its Ulysses attention (what raylight's make_xfuser_attention returns: ``attention(q, k, v,
+    heads, ...)``). {module name: module}, the stand-ins included: they belong in sys.modules while raylight's
+    injection (``modules["raylight.distributed_modules.usp"].USPInjectRegistry.inject``) runs and the model
+    samples (ToMA reads the rank from xfuser's module, as under raylight)."""
+    distributed = stand_in_module("xfuser.core.distributed", get_sequence_parallel_rank=rank,
+                                  get_sequence_parallel_world_size=world, get_sp_group=lambda: sp_group)
+    raylight_attention = stand_in_module("raylight.distributed_modules.attention", get_attn_type=lambda: "TORCH",
+                                         get_sync_ulysses=lambda: False, make_xfuser_attention=lambda *a: attention)
+    modules = {"xfuser": stand_in_module("xfuser"), "xfuser.core": stand_in_module("xfuser.core"),
+               "xfuser.core.distributed": distributed, "raylight": stand_in_module("raylight"),
+               "raylight.distributed_modules": stand_in_module("raylight.distributed_modules",
+                                                               attention=raylight_attention),
+               "raylight.distributed_modules.attention": raylight_attention,
+               "raylight.diffusion_models": stand_in_module("raylight.diffusion_models"),
+               "raylight.diffusion_models.wan": stand_in_module("raylight.diffusion_models.wan")}
+    for name, path in RAYLIGHT_USP:
+        modules[name] = load("raylight", path, modules, name)
+    return modules

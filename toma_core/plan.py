@@ -13,6 +13,7 @@ launches cost more than the arithmetic (a GPU fed by a host that issues every ke
 its operators dense, (N' x N) with the window layout folded in, and merges and unmerges in one GEMM each
 (``dense_operators``).
 """
+import heapq
 import struct
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -21,7 +22,7 @@ import torch
 from torch.compiler import is_compiling
 
 from .selection import select_by_similarity, unit_similarity, unit_vectors
-from .tiles import TileGrid, grid_on, tile_tokens, token_grid, untile_tokens
+from .tiles import SlabGrid, TileGrid, grid_on, tile_tokens, token_grid, untile_tokens
 
 DEFAULT_TAU = 1000.0
 # The dense operators' size limits: merged tokens (their GEMM does 2 N' multiply-adds per token channel where
@@ -46,15 +47,20 @@ def _float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def kept_per_tile(grid: TileGrid, ratio: float) -> tuple[int, ...]:
+def kept_per_tile(grid: "TileGrid | SlabGrid", ratio: float) -> tuple[int, ...]:
     """How many destinations each tile keeps, round((1 - ratio) * real tokens), at least 1, in Python
     integers from the grid's shape alone: plan geometry is settled without a tensor (under torch.compile
     it is a constant of the graph, and nothing is read back from the device). The product is taken in
-    float32 and rounded half to even, as ``torch.round`` of a float32 tensor rounds it."""
+    float32 and rounded half to even, as ``torch.round`` of a float32 tensor rounds it. A SlabGrid's
+    tiles count the tokens of the slab, and its ``extra`` destinations go one at a time to the tile that
+    keeps the smallest share of its tokens (the first of equals)."""
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"ratio must be in [0, 1), got {ratio}")
-    f, t = grid.temporal_window, grid.window_size
     scale = _float32(1.0 - ratio)
+    if isinstance(grid, SlabGrid):
+        real = grid.valid.sum(1).tolist()
+        return spread(tuple(max(1, round(_float32(n * scale))) for n in real), tuple(real), grid.extra)
+    f, t = grid.temporal_window, grid.window_size
     kept = []
     for fw in range(grid.frame_windows):
         frames = min(f, grid.frames - fw * f)
@@ -64,6 +70,40 @@ def kept_per_tile(grid: TileGrid, ratio: float) -> tuple[int, ...]:
                 real = frames * rows * min(t, grid.w - c * t)
                 kept.append(max(1, round(_float32(real * scale))))
     return tuple(kept)
+
+
+def spread(kept: tuple[int, ...], real: tuple[int, ...], extra: int) -> tuple[int, ...]:
+    """``kept`` destinations per tile with ``extra`` more, one at a time to the tile keeping the smallest
+    share of its ``real`` tokens (the first of equals), none beyond its tokens (host-side, once per plan
+    geometry)."""
+    if extra > sum(real) - sum(kept):
+        raise ValueError(f"cannot keep {extra} more destinations: the tiles have {sum(real) - sum(kept)} tokens "
+                         "left that are no destinations")
+    kept, room = list(kept), [(k / n, t) for t, (k, n) in enumerate(zip(kept, real)) if k < n]
+    heapq.heapify(room)
+    for _ in range(extra):
+        _, t = heapq.heappop(room)
+        kept[t] += 1
+        if kept[t] < real[t]:
+            heapq.heappush(room, (kept[t] / real[t], t))
+    return tuple(kept)
+
+
+@lru_cache(maxsize=64)
+def slab_extras(slabs: tuple[SlabGrid, ...], fixed: tuple[int, ...], ratio: float) -> tuple[int, ...]:
+    """Destinations each of ``slabs`` keeps beyond the ratio's (SlabGrid.extra) so that every slab, with
+    its ``fixed`` tokens that never merge, holds as many tokens merged: as many as the slab that keeps
+    most at the ratio (no slab merges more than the ratio asks). Sequence parallelism needs it: Ulysses
+    attention exchanges equal slabs between ranks. ValueError where a slab has too few tokens to keep
+    that many."""
+    kept = [sum(kept_per_tile(s, ratio)) for s in slabs]
+    length = max(f + k for f, k in zip(fixed, kept))
+    extras = tuple(length - f - k for f, k in zip(fixed, kept))
+    for rank, (s, k, e) in enumerate(zip(slabs, kept, extras)):
+        if e > s.num_tokens - k:
+            raise ValueError(f"slab {rank} ({s.num_tokens} tokens to merge, {fixed[rank]} that never merge) cannot "
+                             f"keep {length} tokens as the others do")
+    return extras
 
 
 def destinations_per_tile(grid: TileGrid, ratio: float) -> torch.Tensor:

@@ -7,9 +7,16 @@ tokens inside a window in raster order too. When a side is not a multiple of its
 is padded at the end of that axis (last frames, bottom, right) with masked tokens, so every real token
 belongs to exactly one window and all windows have the same shape (one batched matmul serves them all).
 With one frame per window the windows are exactly the 2-D tiles of each frame.
+
+A ``Slab`` of a grid is a contiguous run of its raster tokens: what one rank holds under sequence
+parallelism (raylight's USP cuts the token sequence into one slab per GPU). Its windows (``SlabGrid``) are
+the grid's own windows cut to the slab: every window holding a token of the slab, with the slots of its
+other tokens as padding. A slab may start and end anywhere, mid-row or mid-frame; where its bounds fall
+between windows it is tiled exactly as the whole grid is there.
 """
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -96,10 +103,94 @@ class TileGrid:
         return self._to_slots(raster + col.clamp(max=self.w - 1))
 
 
-def token_grid(shape: tuple[int, ...], window_size: int, temporal_window: int = 1) -> TileGrid:
-    """The TileGrid of a token grid ``shape`` = (h, w) or (frames, h, w). A window spans at most the
-    frames there are: padding frames would cost selection time and change nothing (an image, or a
-    one-frame video, plans exactly as with 2-D tiles whatever ``temporal_window`` says)."""
+class Slab(NamedTuple):
+    """The raster tokens [begin, end) of a token grid of ``shape`` ((h, w) or (frames, h, w)): one rank's
+    slab under sequence parallelism. ``extra``: destinations its plan keeps beyond the ratio's
+    (plan.kept_per_tile), so that the slabs of every rank merge to as many tokens (plan.slab_extras)."""
+
+    shape: tuple
+    begin: int
+    end: int
+    extra: int = 0
+
+
+@dataclass(frozen=True)
+class SlabGrid:
+    """The windows of ``grid`` cut to its raster tokens [begin, end) (a ``Slab``): those holding a token
+    of the slab, in the grid's window order, each with the slots of its tokens outside the slab as
+    padding (never a destination, no weight), so every token of the slab merges inside its own window.
+    ``extra``: as Slab's. Offers what plans read of a TileGrid (``valid``, ``tile_origin``, sizes), with
+    raster indices counted from ``begin``; tokens go in and out of the windows by a gather each way (a
+    window's tokens are no run of the slab)."""
+
+    grid: TileGrid
+    begin: int
+    end: int
+    extra: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.begin < self.end <= self.grid.num_tokens:
+            raise ValueError(f"a slab is a non-empty run of the grid's {self.grid.num_tokens} tokens, got "
+                             f"[{self.begin}, {self.end})")
+        if self.extra < 0:
+            raise ValueError(f"extra destinations must be >= 0, got {self.extra}")
+
+    @property
+    def window_size(self) -> int:
+        return self.grid.window_size
+
+    @property
+    def temporal_window(self) -> int:
+        return self.grid.temporal_window
+
+    @property
+    def tile_size(self) -> int:
+        return self.grid.tile_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def num_tiles(self) -> int:
+        return slab_windows(self)[0].shape[0]
+
+    @property
+    def padded(self) -> bool:
+        return not bool(slab_windows(self)[0].all())
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(T, S) bool: which slots hold a token of the slab."""
+        return slab_windows(self)[0]
+
+    @property
+    def tile_origin(self) -> torch.Tensor:
+        """(T, S) long: index in the slab of each slot's token; a padding slot names a token of the slab."""
+        return slab_windows(self)[1]
+
+
+@lru_cache(maxsize=256)
+def slab_windows(slab: SlabGrid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid (T, S), tile_origin (T, S), slot (N,)) of ``slab`` on the CPU, from its grid's windows: which
+    slots hold a token of the slab, each slot's token (counted from ``begin``), and each token's slot in the
+    flattened (T * S) windows (the gather that takes the windows back to raster order)."""
+    origin = slab.grid.tile_origin
+    inside = slab.grid.valid & (origin >= slab.begin) & (origin < slab.end)
+    tiles = inside.any(1).nonzero().squeeze(1)
+    inside, origin = inside[tiles], (origin[tiles] - slab.begin).clamp(0, slab.num_tokens - 1)
+    slot = torch.empty(slab.num_tokens, dtype=torch.long)
+    slot[origin[inside]] = torch.arange(inside.numel()).view(inside.shape)[inside]
+    return inside, origin, slot
+
+
+def token_grid(shape, window_size: int, temporal_window: int = 1) -> "TileGrid | SlabGrid":
+    """The TileGrid of a token grid ``shape`` = (h, w) or (frames, h, w), or the SlabGrid of a ``Slab`` of
+    one. A window spans at most the frames there are: padding frames would cost selection time and
+    change nothing (an image, or a one-frame video, plans exactly as with 2-D tiles whatever
+    ``temporal_window`` says)."""
+    if isinstance(shape, Slab):
+        return SlabGrid(token_grid(shape.shape, window_size, temporal_window), shape.begin, shape.end, shape.extra)
     if temporal_window < 1:
         raise ValueError(f"temporal_window must be >= 1 (1 = 2-D tiles in each frame), got {temporal_window}")
     if len(shape) == 2:
@@ -112,15 +203,28 @@ def token_grid(shape: tuple[int, ...], window_size: int, temporal_window: int = 
 
 @lru_cache(maxsize=256)
 def grid_on(grid: TileGrid, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid, tile_origin) of ``grid`` on ``device``, copied there once per (grid, device): a copy from the
-    host inside a block call would make the host wait for the device on every call."""
+    """(valid, tile_origin) of ``grid`` (a TileGrid or SlabGrid) on ``device``, copied there once per (grid,
+    device): a copy from the host inside a block call would make the host wait for the device on every
+    call."""
     return grid.valid.to(device), grid.tile_origin.to(device)
+
+
+@lru_cache(maxsize=256)
+def slots_on(slab: SlabGrid, device: torch.device) -> torch.Tensor:
+    """``slab_windows``' slot of each token of ``slab``, on ``device`` (copied once)."""
+    return slab_windows(slab)[2].to(device)
 
 
 def tile_tokens(x: torch.Tensor, grid: TileGrid, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(B, frames*h*w, C) raster tokens -> (B, T, S, C) tiles (in ``dtype``, default x's); padding slots are
-    zeros. Without padding, one copy reorders and converts at once."""
+    zeros. Without padding, one copy reorders and converts at once. A SlabGrid's windows are gathered."""
     B, N, C = x.shape
+    if isinstance(grid, SlabGrid):
+        if N != grid.num_tokens:
+            raise ValueError(f"expected the slab's {grid.num_tokens} tokens, got {N}")
+        valid, origin = grid_on(grid, x.device)
+        tiles = x.index_select(1, origin.view(-1)).view(B, *origin.shape, C)
+        return tiles.to(dtype or x.dtype).masked_fill_(~valid[None, :, :, None], 0)
     if N != grid.num_tokens:
         raise ValueError(f"expected {grid.frames}x{grid.h}x{grid.w}={grid.num_tokens} tokens, got {N}")
     f, t = grid.temporal_window, grid.window_size
@@ -137,8 +241,11 @@ def tile_tokens(x: torch.Tensor, grid: TileGrid, dtype: torch.dtype | None = Non
 
 
 def untile_tokens(tiles: torch.Tensor, grid: TileGrid) -> torch.Tensor:
-    """(B, T, S, C) tiles -> (B, frames*h*w, C) raster tokens; padding slots are dropped."""
+    """(B, T, S, C) tiles -> (B, frames*h*w, C) raster tokens (a SlabGrid: the slab's); padding slots are
+    dropped."""
     B, T, S, C = tiles.shape
+    if isinstance(grid, SlabGrid):
+        return tiles.reshape(B, T * S, C).index_select(1, slots_on(grid, tiles.device))
     f, t = grid.temporal_window, grid.window_size
     g = tiles.view(B, grid.frame_windows, grid.rows, grid.cols, f, t, t, C).permute(0, 1, 4, 2, 5, 3, 6, 7)
     g = g.reshape(B, grid.frame_windows * f, grid.rows * t, grid.cols * t, C)

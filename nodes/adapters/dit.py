@@ -48,12 +48,16 @@ side of H latent pixels gives ceil(H / p) tokens: odd and non-square sizes work.
 import inspect
 import logging
 import math
+import sys
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from ...toma_core.attention import heads_with_key_bias, padded_head
+from ...toma_core.plan import slab_extras
+from ...toma_core.tiles import Slab, token_grid
 from .. import placement
 from ..runtime import Level, MergeRuntime
 
@@ -111,6 +115,84 @@ class ImageLayout:
     @property
     def total(self) -> int:
         return self.lead + self.tokens + self.extra
+
+
+def sequence_parallel_group() -> tuple[int, int] | None:
+    """(rank, ranks) of this process in xfuser's sequence-parallel group, over which raylight's USP cuts a
+    model call's tokens; None where xfuser is not loaded or has no group. Read from the module raylight
+    loaded (the pack never imports xfuser); two host-side calls, no tensor."""
+    distributed = sys.modules.get("xfuser.core.distributed")
+    try:
+        rank, world = int(distributed.get_sequence_parallel_rank()), int(distributed.get_sequence_parallel_world_size())
+    except Exception:  # not loaded, or no group initialised
+        return None
+    return (rank, world) if 0 <= rank < world else None
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    """One rank's slab of a model call's tokens under sequence parallelism, as raylight's USP cuts them:
+    the call's sequence [lead, grid, extra] padded at its end to a multiple of ``world`` tokens and cut into
+    ``world`` equal runs, ``rank``'s the rank-th. Read by the block patches as an ImageLayout: the slab's
+    grid tokens (``tokens``, after ``lead`` tokens of the slab) merge by one plan on the call's windows cut
+    to the slab (``grid``: a toma_core Slab, keeping ``extra_kept`` destinations beyond the ratio's so that
+    every rank's slab merges to as many tokens); its other tokens (the call's lead and extra tokens,
+    raylight's padding: ``extra`` after the grid tokens) stay tokens of their own."""
+
+    layout: ImageLayout
+    rank: int
+    world: int
+    extra_kept: int = 0
+    references = ()
+
+    @property
+    def total(self) -> int:
+        """The slab's tokens: each rank's share of the padded sequence."""
+        return -(-self.layout.total // self.world)
+
+    @property
+    def begin(self) -> int:
+        """The first grid token (raster index) in the slab."""
+        return min(max(self.rank * self.total - self.layout.lead, 0), self.layout.tokens)
+
+    @property
+    def end(self) -> int:
+        return min(max((self.rank + 1) * self.total - self.layout.lead, 0), self.layout.tokens)
+
+    @property
+    def lead(self) -> int:
+        """Tokens of the slab before its grid tokens."""
+        return min(max(self.layout.lead - self.rank * self.total, 0), self.total)
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def extra(self) -> int:
+        return self.total - self.lead - self.tokens
+
+    @property
+    def grid(self) -> Slab:
+        return Slab(self.layout.grid, self.begin, self.end, self.extra_kept)
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout.name} tokens {self.begin}-{self.end}"
+
+
+@lru_cache(maxsize=64)
+def equal_slabs(layout: ImageLayout, world: int, window_size: int, temporal_window: int,
+                ratio: float) -> tuple[SlabLayout, ...]:
+    """Every rank's SlabLayout of a model call of ``layout`` cut over ``world`` ranks, with the destinations
+    each keeps beyond ``ratio``'s so that all merge to as many tokens (toma_core.plan.slab_extras); ValueError
+    where a slab cannot (one without grid tokens, or too few)."""
+    slabs = [SlabLayout(layout, rank, world) for rank in range(world)]
+    if any(s.tokens == 0 for s in slabs):
+        raise ValueError("a rank's slab holds no video tokens to merge")
+    grids = tuple(token_grid(s.grid, window_size, temporal_window) for s in slabs)
+    extras = slab_extras(grids, tuple(s.total - s.tokens for s in slabs), ratio)
+    return tuple(SlabLayout(layout, rank, world, extra) for rank, extra in enumerate(extras))
 
 
 def patched_side(pixels: int, patch: int) -> int:
@@ -553,6 +635,7 @@ class DiTPatch:
     plans for itself (and with shared destinations, to the destinations its group's first block chose)."""
 
     pe_axis = 2  # the token axis of the RoPE table ``pe`` (Flux, Chroma: (B, 1, L, ...))
+    merges_slabs = False  # whether ``block`` merges each rank's slab under sequence parallelism (slab_of)
     merge_references = False  # whether the reference grids of ImageLayout.references merge, each by its own plan
     image_first = False  # the joint sequence is [image, txt] (HunyuanVideo's flipped_img_txt), not [txt, image]
     # submodules of each merged block whose forward is object-patched too (companion_forward makes it)
@@ -575,8 +658,9 @@ class DiTPatch:
             self.taken_from[group].append(previous)
 
     def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict, block=None):
-        """The plan of ``group``'s grid for this call of ``block`` (its identity: per-block plans), or None."""
-        level = Level(group, tuple(grid))
+        """The plan of ``group``'s grid (or a toma_core Slab of it) for this call of ``block`` (its identity:
+        per-block plans), or None."""
+        level = Level(group, grid.shape, slab=tuple(grid[1:])) if isinstance(grid, Slab) else Level(group, tuple(grid))
         for previous in self.taken_from.get(group, ()):
             previous.leave(level, options, lambda: f"the {self.runtime.name} node nearer the sampler",
                            "took its blocks")
@@ -615,22 +699,54 @@ class DiTPatch:
             return args
         return {**args, "transformer_options": {**options, **own} if isinstance(own, dict) else options}
 
-    def tokens_fit(self, tokens: int, expected: int, options: dict) -> bool:
+    def tokens_fit(self, tokens: int, expected: int, options: dict,
+                   why: str = "ToMA merges the slabs of Wan's blocks only") -> bool:
         """Whether a block call's ``tokens`` are the ``expected`` ones of its layout; where not, why it runs
         unmerged is counted: fewer is a sequence-parallel slab (raylight's USP gives each rank one contiguous
-        slab of the sequence, the last one padded), for which ToMA steps aside for the whole model call;
-        more is another patch's tokens."""
+        slab of the sequence, the last one padded) that this family does not merge (``why``; Wan's blocks
+        merge theirs: ``slab_of``), for which ToMA steps aside for the whole model call; more is another
+        patch's tokens."""
         if options.get(SLAB_KEY) or tokens < expected:
             options[SLAB_KEY] = True
             self.runtime.unmerged(SLAB, "%s steps aside: the blocks see a slab of their model call's tokens (%d of "
-                                  "%d: sequence parallelism, e.g. raylight's USP), and ToMA does not merge within "
-                                  "slabs; this model runs unmerged", self.runtime.name, tokens, expected)
+                                  "%d: sequence parallelism, e.g. raylight's USP), and %s; this model runs "
+                                  "unmerged", self.runtime.name, tokens, expected, why)
             return False
         if tokens != expected:
             self.runtime.unmerged(TOKEN_COUNT, "%s runs a block unmerged: it has %d tokens where its layout has %d "
                                   "(another patch's tokens)", self.runtime.name, tokens, expected)
             return False
         return True
+
+    def slab_of(self, tokens: int, layout: ImageLayout, options: dict) -> SlabLayout | None:
+        """This rank's SlabLayout of a block call holding ``tokens`` of its model call's ``layout.total``, where
+        xfuser's sequence-parallel group names the rank and the tokens are its slab as raylight cuts them
+        (``equal_slabs``: every rank's slab merging to as many tokens); else None, the call counted and the
+        model call's blocks stepping aside (``tokens_fit``), with why."""
+        group, strategy = sequence_parallel_group(), self.runtime.strategy
+        if group is None:
+            why = "no sequence-parallel group of xfuser names the rank, so ToMA cannot tell which slab this is"
+        elif tokens != -(-layout.total // group[1]):
+            why = f"they are not one of {group[1]} equal slabs, as raylight cuts them"
+        else:
+            try:
+                return equal_slabs(layout, group[1], strategy.window_size, strategy.temporal_window,
+                                   strategy.ratio)[group[0]]
+            except ValueError as e:
+                why = f"the slabs cannot merge to equal lengths ({e})"
+        self.tokens_fit(tokens, layout.total, options, why)
+        return None
+
+    def slab_call(self, args: dict, run, slab: SlabLayout, block=None) -> dict:
+        """A block call over one rank's ``slab``: its grid tokens merged, the block run whole on the merged
+        slab (as long on every rank: Ulysses attention exchanges fewer tokens), its update unmerged. Whole
+        blocks whatever the node's scope: raylight's attention (xfuser's) takes no attention override."""
+        if self.keys_values:
+            self.runtime.caveat("under sequence parallelism (raylight's USP) each rank merges whole blocks on its "
+                                "slab (scope block): xfuser's attention takes no attention override, so keys/values "
+                                "cannot reach it" + (", and proportional attention is not honoured"
+                                                     if self.proportional else ""))
+        return self.merged_call(VIDEO, args, run, slab.lead, 0, slab, block, inside_attention=False)
 
     def positions_fit_or_count(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
         """``fits``, with the call counted as unmerged where it does not."""
@@ -697,6 +813,11 @@ class DiTPatch:
             self.runtime.unmerged(TOKEN_COUNT, "%s runs a block unmerged whose tokens are not one tensor",
                                   self.runtime.name)
             return run(args)
+        if self.merges_slabs and img.shape[1] < layout.total and not options.get(SLAB_KEY):
+            slab = self.slab_of(img.shape[1], layout, options)
+            if slab is None or not self.positions_fit_or_count(args, VIDEO, 0, slab):
+                return run(args)
+            return self.slab_call(self.with_options(args, options), run, slab, block)
         if (not self.tokens_fit(img.shape[1], layout.total, options)
                 or not self.positions_fit_or_count(args, VIDEO, 0, layout)):
             return run(args)

@@ -147,7 +147,10 @@ def modulation_rows(rows: int, tokens: int, device) -> torch.Tensor:
 
 class WanPatch(DiTPatch):
     """The "dit" double_block patches of one patched Wan clone: [lead, video, extra] (B, L, C) with the
-    video grid merged; context (text and CLIP image tokens) passes whole."""
+    video grid merged; context (text and CLIP image tokens) passes whole. Under raylight's sequence
+    parallelism each rank merges its slab (DiTPatch.slab_of)."""
+
+    merges_slabs = True
 
     def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
         pe = args.get("pe")

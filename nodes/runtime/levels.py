@@ -9,12 +9,17 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ...toma_core.tiles import Slab
+
 UNET = "unet"  # the group of every UNet level (a UNet level is told apart by its downsampling)
 
 
 class Level(NamedTuple):
     """group: the block group ("unet"; a DiT's group, e.g. "two-stream", "joint", "video"). grid: the
-    token grid, (h, w) or (frames, h, w). downsample: a UNet level's downsampling (1, 2, 4, 8).
+    token grid, (h, w) or (frames, h, w). downsample: a UNet level's downsampling (1, 2, 4, 8). slab:
+    (begin, end, extra) where the level is one rank's slab of the grid under sequence parallelism, its
+    raster tokens [begin, end), merged keeping ``extra`` destinations more than the ratio's
+    (toma_core.tiles.Slab).
 
     A named tuple, not a dataclass: levels (and the plan keys holding them) are made inside the model
     call, and under torch.compile what the traced code stores in the runtime must be something dynamo can
@@ -23,10 +28,16 @@ class Level(NamedTuple):
     group: str
     grid: tuple[int, ...]
     downsample: int | None = None
+    slab: tuple[int, int, int] | None = None
 
     @property
     def tokens(self) -> int:
-        return math.prod(self.grid)
+        return math.prod(self.grid) if self.slab is None else self.slab[1] - self.slab[0]
+
+    @property
+    def shape(self):
+        """What plans are built on (a strategy's ``grid``): the grid, or the Slab of it."""
+        return self.grid if self.slab is None else Slab(self.grid, *self.slab)
 
     @property
     def size(self) -> str:
@@ -35,8 +46,11 @@ class Level(NamedTuple):
 
     @property
     def label(self) -> str:
-        """"32x32 (1/1)" for a UNet level, "<group> <size>" for a block group."""
-        return f"{self.size} (1/{self.downsample})" if self.downsample is not None else f"{self.group} {self.size}"
+        """"32x32 (1/1)" for a UNet level, "<group> <size>" for a block group, "<group> <size> tokens
+        <begin>-<end>" for a slab of one."""
+        if self.downsample is not None:
+            return f"{self.size} (1/{self.downsample})"
+        return f"{self.group} {self.size}" + ("" if self.slab is None else f" tokens {self.slab[0]}-{self.slab[1]}")
 
     def __str__(self) -> str:
         return self.label
@@ -44,7 +58,8 @@ class Level(NamedTuple):
     def fields(self) -> dict:
         """The level as JSON fields (the stats message's summary)."""
         return {"group": self.group, "grid": list(self.grid),
-                **({} if self.downsample is None else {"downsample": self.downsample})}
+                **({} if self.downsample is None else {"downsample": self.downsample}),
+                **({} if self.slab is None else {"slab": list(self.slab[:2])})}
 
 
 def unet_level(h: int, w: int, downsample: int) -> Level:

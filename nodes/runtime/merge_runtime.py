@@ -360,11 +360,11 @@ class MergeRuntime:
             given = call.shared[shared]  # another block of the level chose them in this call
         feats = features()
         if call.seed is None:
-            plan = self.strategy.build(feats, level.grid, self.generator(feats.device), given)
+            plan = self.strategy.build(feats, level.shape, self.generator(feats.device), given)
         else:  # the next stream of the call's seed, where the block's tokens are (a no-op on one device)
             seed = seed_stream(call.seed, call.seeds_taken).to(feats.device)
             call.seeds_taken += 1
-            plan = self.strategy.build(feats, level.grid, None, given, seed=seed)
+            plan = self.strategy.build(feats, level.shape, None, given, seed=seed)
         if shared is not None and given is None and hasattr(plan, "destinations"):
             call.shared[shared] = self._shared[shared] = plan.destinations
         return plan
@@ -398,9 +398,10 @@ class MergeRuntime:
         return self._generators[device]
 
     def record(self, level: Level, step: int, plan) -> None:
-        """Keep what the merge map needs of a newly built plan: one record per level and step."""
+        """Keep what the merge map needs of a newly built plan: one record per level and step (none of a
+        rank's slab: the map draws whole grids)."""
         records = self._levels.setdefault(level, LevelStats()).records
-        if records and records[-1].step == step:
+        if level.slab is not None or (records and records[-1].step == step):
             return
         try:
             records.append(record_plan(plan, step, level.grid, self.strategy))
