@@ -3,6 +3,7 @@
     python -m toma_bench.costmodel [--models sdxl,flux,...] [--hardware h200,h100,a100,l40s,rtx4090,rtx3090,FILE.json]
                                    [--regimes eager,graphs,compiled,compiled+graphs] [--variants 'default;r=0.5;...']
                                    [--steps N] [--how pipelined|additive] [--sweep] [--json FILE]
+                                   [--ranks 2,4,8 [--link nvlink,pcie4]]
 
 CPU only, no weights, about a minute per model. For each model (ComfyUI's own classes at real widths,
 depths and sizes, built on the meta device in bf16) and each variant (the pack's nodes with a setting a
@@ -17,6 +18,12 @@ them one by one pays for them. A run of one step first fills the
 pack's per-process host caches (plan geometry), which a real run pays once. LTX-2, whose classes come from
 another tree (toma_bench.ltx2_source) and whose [video, audio] latent the host's sampler cannot carry, has
 its model called as that tree's sampler calls it (drive_ltx2).
+
+With ``--ranks``, each model runs under raylight's sequence parallelism (USP: each GPU holds one slab of the
+tokens, Ulysses attention exchanges them) on that many GPUs: raylight's own injection (from a mirror of its
+repository), rank 0 recorded with xfuser's collectives stood in for (``UlyssesMeta``: the attention as Ulysses
+runs it, the bytes each all-to-all sends), the collectives priced on a link (``LINKS``) and added to the
+step.
 
 This is a model until a GPU run checks it: the GPU kit (toma_bench/gpu_kit, toma_bench.gpu) measures the
 same variants and prints predicted against measured.
@@ -36,7 +43,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from . import comfy_host, ltx2_source, models, run
+from . import comfy_host, ltx2_source, models, pack_source, run
 from .run import comfy_tome
 from .gpuclock import PROFILES, REGIMES, Hardware, call_cost, fused, profile, swept
 from .oprecord import recording, to_meta
@@ -651,6 +658,155 @@ def select_variants(variants: list, wanted: list[str] | None) -> list:
     return variants[:1] + [v for v in variants[1:] if any(w in v.label.lower() for w in lower)]
 
 
+# -- sequence parallelism (raylight's USP) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """The interconnect Ulysses' collectives cross: ``gbps`` the bytes a GPU sends (and receives) a second in an
+    all-to-all, ``latency_us`` what each collective costs besides. Collectives block the ranks' compute (Ulysses'
+    all-to-alls sit between the projections and the attention): their time adds to the step's."""
+
+    name: str
+    gbps: float
+    latency_us: float
+    source: str
+
+
+LINKS = {
+    # NVIDIA H200 SXM (and H100 SXM) datasheet: fourth-generation NVLink, 900 GB/s per GPU (450 GB/s each way),
+    # every GPU of an HGX board reaching every other through NVSwitch at that rate; an all-to-all taken at 80%
+    # of it, and 15 us a collective (NCCL's small-message latency over NVLink is some 10-20 us)
+    "nvlink": Link("nvlink", 360.0, 15.0, "NVLink 4 (H200 SXM: 450 GB/s each way) at 80%, 15 us a collective"),
+    # GPUs without NVLink (RTX 4090, L40S) on PCIe 4.0 x16: 32 GB/s each way, at 80%, 30 us a collective
+    "pcie4": Link("pcie4", 25.0, 30.0, "PCIe 4.0 x16 (32 GB/s each way) at 80%, 30 us a collective"),
+}
+
+
+class UlyssesMeta:
+    """xfuser as rank 0 of ``world`` sees it while the cost model records on the meta device: Ulysses
+    attention as the GPU runs it (the queries, keys and values of every rank's slab for ``heads / world``
+    heads: an all-to-all of each, the attention, an all-to-all of its output back) and the all-gather after
+    the blocks. Each collective's bytes sent by a rank go to ``collectives`` ((what, bytes)); on meta the
+    collectives themselves are allocations, so the recording holds the ranks' compute alone."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.collectives: list[tuple[str, float]] = []
+
+    def sent(self, what: str, t: torch.Tensor, share: float) -> None:
+        self.collectives.append((what, t.numel() * t.element_size() * share))
+
+    def attention(self, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                  **kwargs):
+        """q, k, v (B, L, heads * d) of the rank's slab (raylight's Wan calls pass no mask and no reshape flags)."""
+        from comfy.ldm.modules.attention import optimized_attention
+
+        if mask is not None or skip_reshape or skip_output_reshape or heads % self.world:
+            raise ValueError("the cost model's Ulysses stand-in takes (B, L, heads * d) inputs without a mask, heads "
+                             f"divisible by the ranks ({heads} heads, {self.world} ranks)")
+        world, share = self.world, (self.world - 1) / self.world
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            self.sent(name, t, share)
+        b, c = q.shape[0], q.shape[-1] // world
+        out = optimized_attention(q.new_empty(b, world * q.shape[1], c), k.new_empty(b, world * k.shape[1], c),
+                                  v.new_empty(b, world * v.shape[1], c), heads // world)
+        self.sent("out", out, share)
+        return q.new_empty(q.shape)
+
+    def all_gather(self, x, dim):
+        self.sent("all-gather", x, self.world - 1)
+        shape = list(x.shape)
+        shape[dim] *= self.world
+        return x.new_empty(shape)
+
+
+@dataclass
+class RankRecording:
+    """One variant's sampling run as rank 0 of ``world`` records it: the ops (``recorded``) and the collectives
+    of one model call (every call exchanges alike: ``UlyssesMeta.collectives``)."""
+
+    world: int
+    recorded: Recorded
+    collectives: list
+
+    def comm_seconds(self, link: Link) -> float:
+        """A step's collectives on ``link``: every model call's."""
+        calls = len(self.recorded.calls) / self.recorded.steps
+        return calls * sum(link.latency_us * 1e-6 + sent / (link.gbps * 1e9) for _, sent in self.collectives)
+
+    def block_bytes(self) -> list[float]:
+        """Bytes a rank sends in each block of a model call: its self- and cross-attention's all-to-alls."""
+        exchanges = [sent for what, sent in self.collectives if what != "all-gather"]
+        return [sum(exchanges[i:i + 8]) for i in range(0, len(exchanges), 8)]
+
+
+def sequence_parallel_variants(pack) -> list[Variant]:
+    """What the ranks run: unpatched, the node's default (on slabs: whole blocks at its ratio, since xfuser's
+    attention takes no override) and whole blocks at ratio 0.5."""
+    tn = pack.nodes.toma_nodes
+    return [Variant("unpatched", patch=lambda m: m),
+            Variant("ToMA default (r=auto)",
+                    patch=lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0]),
+            Variant("ToMA scope block r=0.5",
+                    patch=lambda m: tn.ToMAPatchModelAdvanced().patch(m, 0.5, 4, tn.DEFAULT_REUSE, scope="block")[0])]
+
+
+def record_ranks(spec: Spec, pack, steps: int, world: int, progress=print) -> list[RankRecording]:
+    """Rank 0's recordings of sequence_parallel_variants under raylight's USP over ``world`` ranks (its own
+    injection, read from a mirror of raylight: pack_source), with xfuser's stand-ins in sys.modules while it
+    samples (ToMA reads the rank there); one GPU (``world`` 1) without raylight."""
+    variants = sequence_parallel_variants(pack)
+    if world == 1:
+        return [RankRecording(1, r, []) for r in record_model(spec, pack, steps, variants, progress)]
+    ulysses = UlyssesMeta(world)
+    modules = pack_source.raylight_usp(lambda: 0, lambda: world, ulysses, ulysses.attention)
+    saved = {name: sys.modules.get(name) for name in modules}
+    out = []
+    try:
+        sys.modules.update(modules)
+        with meta_sampling():
+            base = build_meta(spec)
+            modules["raylight.distributed_modules.usp"].USPInjectRegistry.inject(base, None, 0, False, True)
+            for variant in variants:
+                started = time.perf_counter()
+                ulysses.collectives = []
+                recorded = record_variant(base, spec, variant, pack, steps)
+                # record_variant samples 1 step, then ``steps``: the last model call's collectives are one call's
+                calls = (1 + steps) * len(recorded.calls) // steps
+                out.append(RankRecording(world, recorded, ulysses.collectives[-len(ulysses.collectives) // calls:]))
+                progress(f"[costmodel] {spec.name} over {world} ranks: {variant.label} recorded in "
+                         f"{time.perf_counter() - started:.1f} s")
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return out
+
+
+def ranks_table(by_world: dict, hw: Hardware, link: Link, how: str) -> str:
+    """Per rank count and variant: a rank's compute, its all-to-all bytes per block (the first block, which
+    never merges, and the last), the collectives' time, the step, and the speed-up over unpatched on as many
+    ranks and over unpatched on one GPU."""
+    one_gpu = per_step(by_world[1][0].recorded, hw, how)[1]
+    head = ["ranks", "variant", "compute ms", "all-to-all MB/block (first, last)", "comm ms", "ms/step",
+            "speed-up (same ranks)", "vs one GPU", "merged"]
+    body = []
+    for world, recordings in by_world.items():
+        base = None
+        for r in recordings:
+            compute = per_step(r.recorded, hw, how)[1]
+            comm = r.comm_seconds(link)
+            step = compute + comm
+            base = step if base is None else base
+            blocks = r.block_bytes()
+            mb = "-" if not blocks else f"{blocks[0] / 2**20:,.1f}, {blocks[-1] / 2**20:,.1f}"
+            body.append([str(world), r.recorded.label, f"{1000 * compute:,.1f}", mb, f"{1000 * comm:,.1f}",
+                         f"{1000 * step:,.1f}", f"{base / step:.2f}x", f"{one_gpu / step:.2f}x",
+                         merged_text(r.recorded)[0]])
+    return format_table(head, body)
+
+
 # -- command line ------------------------------------------------------------------------------------------
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.costmodel", description=__doc__.split("\n\n")[0],
@@ -671,6 +827,13 @@ def parse_args(argv):
                     help="how host and GPU time add up (toma_bench.gpuclock; default pipelined)")
     ap.add_argument("--sweep", action="store_true", help="also vary each assumption and print the speed-up range")
     ap.add_argument("--json", default=None, help="also write every number to this JSON file")
+    ap.add_argument("--ranks", default=None,
+                    help="comma list of GPU counts (e.g. 2,4,8): price each model under raylight's sequence "
+                         "parallelism (USP, Ulysses attention) on that many GPUs instead, rank 0 recorded, its "
+                         "collectives priced on --link; needs a mirror of komikndr/raylight (toma_bench/pack_source.py)")
+    ap.add_argument("--link", default="nvlink",
+                    help="comma list of the interconnects --ranks prices the same recordings on (default nvlink): "
+                         + "; ".join(f"{k}: {v.source}" for k, v in LINKS.items()))
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in SPECS]
@@ -688,6 +851,16 @@ def parse_args(argv):
     args.variants = [v.strip() for v in args.variants.split(";") if v.strip()] if args.variants else None
     if args.steps is not None and not 1 <= args.steps <= 200:
         ap.error(f"--steps must be in [1, 200], got {args.steps}")
+    if args.ranks is not None:
+        try:
+            args.ranks = sorted({int(r) for r in args.ranks.split(",") if r.strip()})
+        except ValueError:
+            args.ranks = []
+        if not args.ranks or min(args.ranks) < 2 or max(args.ranks) > 64:
+            ap.error("--ranks: a comma list of GPU counts from 2 to 64")
+    args.link = [name.strip() for name in args.link.split(",") if name.strip()]
+    if not args.link or any(name not in LINKS for name in args.link):
+        ap.error(f"--link: comma list of {', '.join(LINKS)}")
     return args
 
 
@@ -723,6 +896,8 @@ def main(argv=None) -> None:
               f"{hw.host_us_per_compiled_kernel:g} per kernel, {hw.host_us_per_compiled_call:g} per graph entry")
     for regime in args.regimes:
         print(f"# regime {regime}: {REGIMES[regime].title}")
+    if args.ranks:
+        return main_ranks(args, pack, report)
     for name in args.models:
         spec = SPECS[name]
         reason = missing(spec)
@@ -751,6 +926,39 @@ def main(argv=None) -> None:
         report["models"][name]["kernel_budget"] = budget
         for (hw_name, regime), rows in priced.items():
             report["models"][name]["profiles"].setdefault(hw_name, {})[regime] = [dataclasses.asdict(r) for r in rows]
+        sys.stdout.flush()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def main_ranks(args, pack, report: dict) -> None:
+    """--ranks: each model on one GPU and on each rank count under raylight's USP, priced on the first profile
+    (eager) with its collectives on --link."""
+    hw, links = args.profiles[0], [LINKS[name] for name in args.link]
+    reason = pack_source.missing("raylight")
+    if reason:
+        sys.exit(f"--ranks: {reason}")
+    for link in links:
+        print(f"# link {link.name}: {link.source}")
+    for name in args.models:
+        spec = SPECS[name]
+        reason = missing(spec)
+        if reason or spec.tree is not None:
+            print(f"\n## {name}: skipped ({reason or 'a model of another tree: raylight injects the host tree'})")
+            continue
+        steps = args.steps or spec.steps
+        progress = lambda line: print(line, file=sys.stderr)
+        by_world = {world: record_ranks(spec, pack, steps, world, progress) for world in [1] + args.ranks}
+        for link in links:
+            print(f"\n## {name}: {spec.title}, {steps} steps; {hw.name}, eager, {link.name}; rank 0 of each count\n")
+            print(ranks_table(by_world, hw, link, args.how))
+        report["models"][name] = {
+            "title": spec.title, "steps": steps, "links": [dataclasses.asdict(link) for link in links],
+            "ranks": {world: [{"label": r.recorded.label, "compute_ms": 1000 * per_step(r.recorded, hw, args.how)[1],
+                               "comm_ms": {link.name: 1000 * r.comm_seconds(link) for link in links},
+                               "block_bytes": r.block_bytes(), "merged": merged_text(r.recorded)[0]}
+                              for r in recordings]
+                      for world, recordings in by_world.items()}}
         sys.stdout.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -41,6 +41,15 @@ batch layout, built at a recompute step by the group's first merged block and sh
 layer-normalised without affine, so cosine compares token content rather than the large per-channel
 offsets of the residual stream.
 
+Sequence parallelism (raylight's USP over xDiT): each rank's blocks see one contiguous slab of the model
+call's tokens, the sequence padded at its end to a multiple of the ranks. Wan's blocks merge their slab
+(``DiTPatch.slab_of``, the rank read from xfuser's sequence-parallel group): the call's windows cut to the
+slab (a window the slab cuts merges its part there, padding is never in a window), one plan per slab, whole
+blocks whatever the scope (xfuser's attention takes no override), and as many tokens kept on every rank
+(``equal_slabs``: the slab that keeps most at the ratio sets the length, the others keep more), since
+Ulysses attention exchanges equal slabs. Other families, and slabs whose rank no group names, step aside
+for the model call (counted, said once).
+
 Token grid: from the model's own input, stashed in ``transformer_options`` for the block patches by a
 wrapper of the call that sees the latent (``LayoutStash``). Latents are padded to the patch size p, so a
 side of H latent pixels gives ceil(H / p) tokens: odd and non-square sizes work.
@@ -64,8 +73,8 @@ from ..runtime import Level, MergeRuntime
 log = logging.getLogger("ComfyUI-ToMA")
 
 LAYOUT_KEY = "comfyui_toma_image_layout"  # transformer_options key, set and removed by the wrapper
-# set in the model call's transformer_options by the first block that sees a sequence-parallel slab, so its
-# later blocks (a joint sequence whose text share is unknown) step aside too; removed with LAYOUT_KEY
+# set in the model call's transformer_options by the first block that sees a sequence-parallel slab it does not
+# merge, so its later blocks (a joint sequence whose text share is unknown) step aside too; removed with LAYOUT_KEY
 SLAB_KEY = "comfyui_toma_sequence_parallel"
 # Why a block call the node would merge runs unmerged (MergeRuntime.unmerged: the run report counts them)
 NO_LAYOUT = "no token layout"
