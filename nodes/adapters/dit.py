@@ -749,13 +749,15 @@ class DiTPatch:
     def slab_call(self, args: dict, run, slab: SlabLayout, block=None) -> dict:
         """A block call over one rank's ``slab``: its grid tokens merged, the block run whole on the merged
         slab (as long on every rank: Ulysses attention exchanges fewer tokens), its update unmerged. Whole
-        blocks whatever the node's scope: raylight's attention (xfuser's) takes no attention override."""
-        if self.keys_values:
+        blocks whatever the node's scope: raylight's attention (xfuser's) takes no attention override, and
+        merging the feed-forward alone would leave the exchanges as long as they were."""
+        if self.keys_values or self.feed_forward:
+            scope = ("keys/values cannot reach it" if self.keys_values
+                     else "the attention of scope feed-forward would exchange the whole slab")
             self.runtime.caveat("under sequence parallelism (raylight's USP) each rank merges whole blocks on its "
-                                "slab (scope block): xfuser's attention takes no attention override, so keys/values "
-                                "cannot reach it" + (", and proportional attention is not honoured"
-                                                     if self.proportional else ""))
-        return self.merged_call(VIDEO, args, run, slab.lead, 0, slab, block, inside_attention=False)
+                                f"slab (scope block): xfuser's attention takes no attention override ({scope})"
+                                + (", and proportional attention is not honoured" if self.proportional else ""))
+        return self.whole_block_call(VIDEO, args, run, slab.lead, 0, slab, block)
 
     def positions_fit_or_count(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
         """``fits``, with the call counted as unmerged where it does not."""
@@ -964,6 +966,11 @@ class DiTPatch:
             return self.feed_forward_call(group, args, run, start, layout, block)
         if self.keys_values and inside_attention:
             return self.keys_values_call(group, args, run, start, txt_len, layout, block)
+        return self.whole_block_call(group, args, run, start, txt_len, layout, block)
+
+    def whole_block_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout,
+                         block=None) -> dict:
+        """``merged_call`` at scope block: the whole block on merged tokens, its update unmerged."""
         seq, options, end = args["img"], args["transformer_options"], start + layout.tokens
         plan = self.plan_for(group, seq[:, start:end], layout.grid, options, block)
         if plan is None:
