@@ -341,3 +341,25 @@ def test_graph_replay_prices_the_traced_recording():
     assert r.calls_in("eager") == [eager] and r.calls_in("graphs") == [traced]
     assert len(r.calls_in("compiled")[0]) == 2 and r.calls_in("compiled+graphs") == r.calls_in("compiled")
     assert recorded("unpatched", [eager]).calls_in("graphs") == [eager]
+
+
+def test_ranks_are_checked_and_each_ranks_collectives_priced_per_block(capsys):
+    """--ranks and --link refuse bad input; a rank's collectives: what each all-to-all and the all-gather send
+    (UlyssesMeta, on meta), summed per block (8 all-to-alls: self- and cross-attention's q, k, v, out) and
+    priced on a link per model call."""
+    for bad in (["--ranks", "1"], ["--ranks", "2,x"], ["--ranks", "2", "--link", "nvlink,carrier-pigeon"]):
+        with pytest.raises(SystemExit) as exit_info:
+            costmodel.parse_args(bad)
+        assert exit_info.value.code == 2
+        assert bad[-2] in capsys.readouterr().err
+    args = costmodel.parse_args(["--ranks", "8,2,2", "--link", "nvlink,pcie4"])
+    assert args.ranks == [2, 8] and args.link == ["nvlink", "pcie4"]
+    ulysses = costmodel.UlyssesMeta(4)
+    x = torch.empty(2, 10, 8, device="meta", dtype=torch.bfloat16)
+    assert ulysses.all_gather(x, 1).shape == (2, 40, 8)
+    assert ulysses.collectives == [("all-gather", 3 * 2 * 10 * 8 * 2)]
+    recorded = costmodel.Recorded("r", calls=[[], [], [], []], steps=2, merged=[], patched_by_pack=False, failed=[])
+    rank = costmodel.RankRecording(4, recorded, [("q", 1e9)] * 16 + [("all-gather", 2e9)])
+    assert rank.block_bytes() == [8e9, 8e9]
+    link = costmodel.Link("test", 100.0, 10.0, "")
+    assert rank.comm_seconds(link) == pytest.approx(2 * (17 * 10e-6 + 18e9 / 100e9))  # 2 model calls a step

@@ -833,7 +833,7 @@ def parse_args(argv):
                          "collectives priced on --link; needs a mirror of komikndr/raylight (toma_bench/pack_source.py)")
     ap.add_argument("--link", default="nvlink",
                     help="comma list of the interconnects --ranks prices the same recordings on (default nvlink): "
-                         + "; ".join(f"{k}: {v.source}" for k, v in LINKS.items()))
+                         + "; ".join(f"{k}: {v.source}" for k, v in LINKS.items()).replace("%", "%%"))
     args = ap.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in SPECS]
