@@ -669,7 +669,8 @@ class DiTPatch:
     def plan_for(self, group: str, tokens: torch.Tensor, grid: tuple[int, ...], options: dict, block=None):
         """The plan of ``group``'s grid (or a toma_core Slab of it) for this call of ``block`` (its identity:
         per-block plans), or None."""
-        level = Level(group, grid.shape, slab=tuple(grid[1:])) if isinstance(grid, Slab) else Level(group, tuple(grid))
+        level = (Level(group, grid.shape, slab=(grid.begin, grid.end, grid.extra)) if isinstance(grid, Slab)
+                 else Level(group, tuple(grid)))
         for previous in self.taken_from.get(group, ()):
             previous.leave(level, options, lambda: f"the {self.runtime.name} node nearer the sampler",
                            "took its blocks")
