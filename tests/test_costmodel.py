@@ -131,6 +131,15 @@ def test_every_family_of_2026_has_a_row_at_its_usual_size():
     assert {spec.latent for spec in ltx2} == {((1, 128, 16, 11, 20), (1, 8, 127, 16)),
                                                ((1, 128, 16, 22, 40), (1, 8, 127, 16))}
     assert all(spec.tree is costmodel.LTX2_TREE for spec in ltx2)
+    # MiniMax-H3 at 1344x768 (24 x 42 tokens a latent frame): 124 frames are 37 latent frames (2 + 5 per 17) and
+    # 207 stereo audio latents (40 a second), the templates' 73 frames 22 and 122; 30 steps with CFG (15 recorded),
+    # the distilled 8 steps and the templates' 4 at CFG 1; its timestep stays on the host, which reads it
+    minimax = {spec.name: spec for spec in costmodel.SPECS.values() if spec.config is models.MINIMAX_H3_FULL}
+    assert {name: (spec.latent, spec.steps, spec.cfg > 1) for name, spec in minimax.items()} == {
+        "minimax_h3": (((1, 24, 37, 48, 84), (1, 32, 2, 207)), 15, True),
+        "minimax_h3_8step": (((1, 24, 37, 48, 84), (1, 32, 2, 207)), 8, False),
+        "minimax_h3_template": (((1, 24, 22, 48, 84), (1, 32, 2, 122)), 4, False)}
+    assert all(spec.host_timestep for spec in minimax.values())
 
 
 # -- pricing (no ComfyUI) ---------------------------------------------------------------------------------

@@ -220,6 +220,10 @@ SPECS = {s.name: s for s in (
     Spec("minimax_h3_8step", "MiniMax-H3 8-step distilled 1344x768 x 124 frames (37,296 video + 414 audio + 256 "
          "text tokens), CFG 1", "MiniMaxH3", models.MINIMAX_H3_FULL, _minimax_h3_latent(124, 37), _text(5120, 256),
          steps=8, cfg=1.0, host_timestep=True),
+    # v0.33.0's own templates (video_minimax_h3_t2v, _i2v): 73 frames (22 latent frames), the 8-step LoRA run 4 steps
+    Spec("minimax_h3_template", "MiniMax-H3 as v0.33.0's templates run it: 1344x768 x 73 frames (22,176 video + 244 "
+         "audio + 256 text tokens), the distilled LoRA at 4 steps, CFG 1", "MiniMaxH3", models.MINIMAX_H3_FULL,
+         _minimax_h3_latent(73, 22), _text(5120, 256), steps=4, cfg=1.0, host_timestep=True),
     Spec("ltx2", "LTX-2 19B, the template's first pass: 640x360 x 121 frames (3,520 video + 127 audio + 1,024 "
          "text tokens), CFG batch 2 (CFG 4); model called directly, as tests/test_ltx2.py does", "LTXV",
          models.LTX2_FULL, ((1, 128, 16, 11, 20), (1, 8, 127, 16)), _ltx2_text, cfg=4.0, tree=LTX2_TREE),
