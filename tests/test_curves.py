@@ -90,6 +90,7 @@ def test_dit_front_offers_keys_values_with_its_fixes_on_images_and_video():
 @pytest.mark.parametrize("argv, bad", [
     (["--arch", "flux", "--set", "placements"], "--set placements is for the UNet proxies"),
     (["--arch", "sdxl", "--set", "front"], "--set front is for the DiT proxies"),
+    (["--arch", "flux32", "--set", "sparse"], "--set sparse is for the video proxies"),
     (["--arch", "sd15", "--real", "nope"], "--real"),
 ])
 def test_cli_refuses_sets_the_proxy_cannot_run(argv, bad, capsys):

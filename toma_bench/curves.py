@@ -269,9 +269,9 @@ def sparse_front(tn) -> list[Variant]:
 
     out = [Variant("unpatched", "", lambda m: m)]
     out += [Variant("sparse attention", f"tau={tau:g}", sparse(tau)) for tau in (1.0, 1.3, 1.5)]
-    for start in (0.2, 0.4):
+    for start, ratios in ((0.2, (0.5, 0.75)), (0.4, (0.25, 0.5, 0.75))):
         out += [Variant(f"ToMA feed-forward, start {start:g} + sparse attention tau 1.3", f"r={r:g}",
-                        sparse(1.3, feed_forward(r, start))) for r in (0.5, 0.75)]
+                        sparse(1.3, feed_forward(r, start))) for r in ratios]
     return out
 
 
