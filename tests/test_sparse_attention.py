@@ -219,3 +219,32 @@ def test_the_priced_kernel_costs_its_routed_share_plus_the_overhead_of_a_dense_o
         op = recorded(sa.priced_kernel(share))
         assert op.flops == pytest.approx(dense.flops * factor, rel=1e-6)
         assert op.bytes == pytest.approx(dense.bytes * factor, rel=1e-6)
+
+
+@pytest.mark.parametrize("order", ["toma first", "sparse first"])
+def test_minimax_h3_beside_the_sparse_node_is_refused_with_a_message(pack, order, caplog):
+    """On MiniMax-H3 the node takes every block with a block patch of its own: with it applied first ToMA
+    returns the model unpatched, saying why; applied after ToMA it replaces ToMA's block patches, and the
+    run's stats and the log say that ToMA merged nothing, and why."""
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "MiniMaxH3"):
+        pytest.skip("this ComfyUI has no MiniMax-H3")
+    h3 = models.build_minimax_h3(seed=61)
+    sparse = stand_in()
+    conditioning = models.text_conditioning(models.MINIMAX_H3_TINY["text_dim"], 1, 11, 0)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        if order == "sparse first":
+            first = sparse.apply(h3)
+            (patched,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(first, -1.0, 0, 5)
+            assert patched is first
+            assert "beside core's Model Sparse Attention is not served" in caplog.text
+            return
+        toma, runtime = toma_default(pack, h3)
+        model = sparse.apply(toma)
+        sampling.sample(model, conditioning, models.minimax_h3_latent(1, 5, (12, 12)), steps=2, scheduler="simple")
+    summary = runtime.summary()
+    assert not summary["levels"]
+    assert any("merges nothing" in c and "block patches of its own" in c for c in summary["caveats"])
+    assert len([c for c in sparse.calls if c.dense.startswith("MiniMax-H3 block")]) == \
+        2 * models.MINIMAX_H3_TINY["num_layers"]

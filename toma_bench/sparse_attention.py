@@ -12,6 +12,8 @@ The protocol, as that node's code has it:
   ``min_tokens`` queries; with a head size other than ``head_dim``; where q, k and v differ in shape
   ("cross-attention or GQA"). The real node also runs dense off CUDA; this one runs its kernel anywhere.
 - Its ON_CLEANUP callback (same key) resets its per-run state.
+- On MiniMax-H3 it also puts a "dit" double_block replace patch on every block (the real one runs the
+  block's attention through a chunked qkv producer there); the stand-in's runs the block as it is.
 
 The kernel: ``kernel(q, k, v, tau, scale) -> (out, routed)`` over (B, T, H, D) tensors, ``routed`` the
 share of key blocks its routing keeps exact (None where it does not say). ``eager_sol_attn`` is
@@ -189,7 +191,25 @@ class SparseAttention:
         m.add_callback_with_key(CallbacksMP.ON_PREPARE_STATE, CALLBACK_KEY,
                                 lambda patcher, timestep, model_options: self.install(model_options["transformer_options"]))
         m.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, lambda patcher: None)
+        try:
+            from comfy.ldm.minimax.model import MiniMaxH3Model
+        except ImportError:  # a tree without MiniMax-H3
+            return m
+        dm = model.get_model_object("diffusion_model")
+        if isinstance(dm, MiniMaxH3Model):  # the node's MiniMax-H3 path: a block patch of its own on every block
+            for i in range(len(dm.blocks)):
+                m.set_model_patch_replace(self.h3_block_patch(i), "dit", "double_block", i)
         return m
+
+    def h3_block_patch(self, index: int):
+        """The node's MiniMax-H3 block patch, less its kernel (which swaps the block's attention for a chunked
+        qkv producer on CUDA): the block runs as it is, the call recorded (dense "MiniMax-H3 block")."""
+        def block_patch(args, extra):
+            img = args["img"]
+            self.calls.append(Call(tuple(img.shape), tuple(img.shape), img.shape[0], f"MiniMax-H3 block {index}"))
+            return extra["original_block"](args)
+
+        return block_patch
 
     def install(self, transformer_options: dict) -> None:
         current = transformer_options.get("optimized_attention_override")

@@ -67,7 +67,7 @@ WAN = DiTFamily("Wan 2.1/2.2", ("Wan",), True, "comfy.ldm.wan.model:WanModel",
 MINIMAX_H3 = DiTFamily("MiniMax-H3", ("MiniMax-H3",), True, "comfy.ldm.minimax.model:MiniMaxH3Model",
                        (BlockGroup("blocks", "double_block", VIDEO, "packed_block"),), minimax.PackedPatch,
                        minimax.PackedLayoutStash, wrappers=("APPLY_MODEL",), placements=WITH_KEYS_VALUES,
-                       never_merged="text, audio, keyframe and reference rows")
+                       never_merged="text, audio, keyframe and reference rows", sparse_takes_blocks=True)
 
 QWEN_IMAGE = DiTFamily("Qwen-Image", ("Qwen-Image",), False, "comfy.ldm.qwen_image.model:QwenImageTransformer2DModel",
                        (BlockGroup("transformer_blocks", "double_block", TWO_STREAM, "double_block"),),

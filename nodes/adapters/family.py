@@ -32,13 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import placement
-from ..host import WRAPPER_KEY, install_run_hooks, original_attr
+from ..host import WRAPPER_KEY, install_run_hooks, original_attr, sparse_attention_min_tokens
 from ..runtime import MergeRuntime
 from .dit import DiTPatch, LayoutStash, attention_only, keys_values_only, merged_blocks
 
 log = logging.getLogger("ComfyUI-ToMA")
 
 REPLACE = "dit replace patch"
+# why a family whose blocks that node patches is not served beside it (DiTFamily.sparse_takes_blocks)
+SPARSE_BLOCKS = ("that node runs its attention through block patches of its own (a chunked qkv producer), on the "
+                 "blocks ToMA would patch: use one node or the other")
 OBJECT_PATCH = "forward object patch"
 
 
@@ -77,7 +80,9 @@ class DiTFamily:
     ``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video): a family whose layout the latent and
     the extra conds tell there. feed_forward: the submodules of a block that run on merged tokens with
     scope feed-forward (placement.FEED_FORWARD, among ``placements`` where this is not empty), each called
-    with the block's tokens first; their forwards are object-patched."""
+    with the block's tokens first; their forwards are object-patched. sparse_takes_blocks: core's Model Sparse
+    Attention node runs this family's attention through "dit" block patches of its own (MiniMax-H3's chunked
+    qkv producer), which take the blocks ToMA patches: beside it the model is not served (``beside_sparse``)."""
 
     name: str
     names: tuple[str, ...]
@@ -94,6 +99,7 @@ class DiTFamily:
     unserved: Callable | None = None
     read_outside: bool = False
     feed_forward: tuple[str, ...] = ()
+    sparse_takes_blocks: bool = False
 
     def model_type(self):
         """The diffusion model class, or None where this ComfyUI has none."""
@@ -141,6 +147,10 @@ class DiTFamily:
             log.warning("ToMA: %s (%s) is not served: %s; returned unpatched", type(dm).__name__, self.name, why)
             return model
         name = type(model.model).__name__
+        if self.sparse_takes_blocks and sparse_attention_min_tokens(model) is not None:
+            log.warning("ToMA: %s (%s) beside core's Model Sparse Attention is not served: %s; returned unpatched",
+                        type(dm).__name__, self.name, SPARSE_BLOCKS)
+            return model
         if not runtime.strategy.patches_dits:
             log.warning("ToMA: %s is a UNet baseline and does not patch DiTs; %s (%s) returned unpatched (use "
                         "the ToMA node on DiTs)", runtime.name, name, self.name)
@@ -173,6 +183,8 @@ class DiTFamily:
             outside = self.stash(wrapped(model, "APPLY_MODEL"), operator.attrgetter(self.patch_size)(dm), runtime)
             m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, outside)
         install_run_hooks(m, runtime)
+        if self.sparse_takes_blocks:
+            runtime.run_checks.append(lambda patcher: self.beside_sparse(patcher, blocks))
         if left:
             log.info("ToMA: %s left unmerged (already patched by another node)", ", ".join(left))
         for previous, taken in retaken.items():
@@ -181,6 +193,17 @@ class DiTFamily:
         log.info("ToMA: %s patched on %s (%s): %d of %d blocks merge (%s never)", runtime.name, name, self.name,
                  len(merged), sum(len(getattr(dm, g.blocks)) for g in self.groups), self.never_merged)
         return m
+
+    def beside_sparse(self, patcher, blocks: DiTPatch) -> str | None:
+        """Why the MODEL being sampled, ``patcher``, merges nothing although ``blocks`` were patched: core's
+        Model Sparse Attention, applied after ToMA, replaced every block patch of this family's; None if not."""
+        if sparse_attention_min_tokens(patcher) is None:
+            return None
+        patches = patcher.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+        if any(isinstance(p, BlockPatch) and p.blocks is blocks for p in patches.values()):
+            return None
+        return (f"{self.name} beside core's Model Sparse Attention merges nothing: {SPARSE_BLOCKS}, and that node, "
+                "applied after ToMA, replaced all of them")
 
     def replace_blocks(self, m, dm, blocks: DiTPatch):
         """Set the "dit" replace patches of the merged blocks on ``m``: (merged, left to other nodes,

@@ -78,6 +78,8 @@ class MergeRuntime:
         # the min_tokens of core's Model Sparse Attention node where the model being sampled has it (None: it
         # has not), read at each run's start (host.sparse_attention_min_tokens)
         self.sparse_min_tokens: int | None = None
+        # (MODEL being sampled) -> why it merges nothing, or None: asked at each run's start, said as a caveat
+        self.run_checks: list = []
         self._plans: dict[PlanKey, object] = {}
         self._shared: dict = {}  # (level, rows) -> the destinations a level's blocks share, chosen last
         self._generators: dict = {}  # device -> the run's generator, advanced by every plan built
@@ -169,6 +171,10 @@ class MergeRuntime:
         patcher = getattr(getattr(executor, "class_obj", None), "model_patcher", None)
         model_sampling = patcher.get_model_object("model_sampling") if patcher is not None else None
         self.sparse_min_tokens = None if patcher is None else sparse_attention_min_tokens(patcher)
+        for check in self.run_checks if patcher is not None else ():
+            why = check(patcher)
+            if why:
+                self.caveat(why)
         self.begin_run(None if sigmas is None else [float(s) for s in sigmas.tolist()], model_sampling)
         try:
             return executor(*args, **kwargs)
