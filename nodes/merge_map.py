@@ -186,9 +186,13 @@ class ToMAMergeMap:
             },
         }
 
+    def runtimes(self, model) -> list:
+        """The runtimes of the token merge nodes on ``model``, nearest the sampler first."""
+        return runtimes_of(model)
+
     def draw(self, model, latent, level=0, step=-1, image=None, opacity=0.5):
         check_inputs(ToMAMergeMap, level=level, step=step, opacity=opacity)
-        levels = stack_levels(runtimes_of(model))
+        levels = stack_levels(self.runtimes(model))
         h, w = latent_size(latent)
         name, record = choose_record(levels, level, step)
         check_grid_matches(record, name, h, w)

@@ -238,11 +238,20 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
             proportional_attention = proportional_attention or preset.proportional
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every),
                                  short_run)
-        strategy = None if ratio == 0 else ToMA(ratio, int(window_size), schedule, tau, exact_unmerge,
-                                                temporal_window=int(temporal_window), shares_plans=not plan_per_block,
-                                                shares_destinations=plan_per_block and shared_destinations,
-                                                proportional=proportional_attention)
+        strategy = toma_strategy(ratio, window_size, schedule, tau, exact_unmerge, temporal_window, plan_per_block,
+                                 shared_destinations, proportional_attention)
         return (apply_strategy(model, strategy, levels, scope, unique_id),)
+
+
+def toma_strategy(ratio: float, window_size: int, schedule: ReuseSchedule, tau: float = DEFAULT_TAU,
+                  exact_unmerge: bool = False, temporal_window: int = DEFAULT_TEMPORAL_WINDOW,
+                  plan_per_block: bool = False, shared_destinations: bool = False, proportional: bool = False):
+    """ToMA as a node's inputs ask for it (``window_size`` resolved: not 0); None at ratio 0 (nothing merges)."""
+    if ratio == 0:
+        return None
+    return ToMA(ratio, int(window_size), schedule, tau, exact_unmerge, temporal_window=int(temporal_window),
+                shares_plans=not plan_per_block, shares_destinations=plan_per_block and shared_destinations,
+                proportional=proportional)
 
 
 def _downsample_levels(max_downsample: int) -> frozenset[int]:

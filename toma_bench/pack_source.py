@@ -7,8 +7,10 @@ host's ComfyUI must already be importable. A pack may have several implementatio
 forks that kept it running in later ComfyUI trees): ``load`` takes the first whose mirror is here and whose
 module imports in this tree, and says which (``origin``). A module that imports its pack's siblings or
 libraries the test venv lacks (raylight's xfuser) is given them by the caller through ``stand_ins`` (module
-name -> module), present in sys.modules only while it is imported. Mirrors live in a ``.mirror`` folder
-beside this checkout or in any folder above it (../.mirror/<owner>+<name>/repo), or where TOMA_MIRRORS points.
+name -> module), present in sys.modules only while it is imported. ``extract(name, folder)`` writes a whole
+pack (kijai's ComfyUI-WanVideoWrapper, which ComfyUI loads as a package) into a folder instead. Mirrors live in
+a ``.mirror`` folder beside this checkout or in any folder above it (../.mirror/<owner>+<name>/repo), or where
+TOMA_MIRRORS points.
 """
 import importlib.util
 import os
@@ -40,6 +42,11 @@ PACKS = {  # name -> the GitHub owner/name of each implementation, in the order 
     # v0.33.0.
     "magcache": ("Zehong-Ma/ComfyUI-MagCache",),
     "raylight": ("komikndr/raylight",),
+    # kijai's ComfyUI-WanVideoWrapper: kijai's commits to 2026-05-24 (plus that fork's SCAIL changes), kijai's
+    # code of 2026-02-01 unchanged, and kijai's own repository as mirrored (March 2025)
+    "wanvideowrapper": ("rookiestar28/ComfyUI-WanVideoWrapper",),
+    "wanvideowrapper-2026-02": ("saha18uiuc/ComfyUI-WanVideoWrapper",),
+    "wanvideowrapper-2025-03": ("kijai/ComfyUI-WanVideoWrapper",),
 }
 
 
@@ -59,6 +66,45 @@ def missing(name: str) -> str | None:
         return None
     return (f"no mirror of {' or '.join(PACKS[name])} (looked in {MIRRORS}; set TOMA_MIRRORS to the folder of "
             "mirrors)")
+
+
+def head(name: str) -> str:
+    """The commit at the HEAD of pack ``name``'s mirror."""
+    return subprocess.run(["git", "--git-dir", str(mirror(name)), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def extract(name: str, folder: Path) -> list[str]:
+    """Write every file of pack ``name``'s HEAD into ``folder`` (made if missing); a mirror may lack its
+    largest blobs (tokenizer files), which are left out: their paths are returned. FileNotFoundError with
+    the reason where there is no mirror."""
+    reason = missing(name)
+    if reason:
+        raise FileNotFoundError(reason)
+    git = ["git", "--git-dir", str(mirror(name))]
+    listing = subprocess.run(git + ["ls-tree", "-r", "-z", "HEAD"], check=True, capture_output=True).stdout
+    entries = []  # (blob, path) of the files at HEAD
+    for entry in filter(None, listing.split(b"\0")):
+        meta, path = entry.split(b"\t", 1)
+        _, kind, blob = meta.split()
+        if kind == b"blob":
+            entries.append((blob.decode(), path.decode()))
+    batch = subprocess.run(git + ["cat-file", "--batch"], input="".join(f"{blob}\n" for blob, _ in entries).encode(),
+                           check=True, capture_output=True).stdout
+    left_out, cursor = [], 0
+    for blob, path in entries:
+        end = batch.index(b"\n", cursor)
+        header = batch[cursor:end].split()
+        cursor = end + 1
+        if header[-1] == b"missing":
+            left_out.append(path)
+            continue
+        size = int(header[2])
+        target = Path(folder) / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(batch[cursor:cursor + size])
+        cursor += size + 1  # the content, then a newline
+    return left_out
 
 
 def source(name: str, path: str, repo: str | None = None) -> str:

@@ -152,16 +152,23 @@ class MergeRuntime:
         """Report the run to the listeners, once (some samplers signal the end twice)."""
         self._in_run = False
         self._flush_loose()
+        if self.report_run():
+            self._run_started = None
+
+    def report_run(self) -> bool:
+        """Send the run's stats to the listeners where the model ran since they were last sent (whether it
+        did), the run going on: for a host that cannot tell its run's last model call (kijai's WanVideoSampler:
+        each call of its last step reports)."""
         if not self._unreported:
-            return
+            return False
         self._unreported = False
         summary = self.summary()
-        self._run_started = None
         for listener in self.run_listeners:
             try:
                 listener(summary)
             except Exception:  # a stats listener must never break sampling
                 log.exception("ToMA: stats listener failed")
+        return True
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         """Current ComfyUI's OUTER_SAMPLE wrapper, around ``CFGGuider.outer_sample(noise, latent_image,
@@ -200,6 +207,17 @@ class MergeRuntime:
         self.steps.follow_reports()
         return executor(*args, **kwargs)
 
+    def learn_total(self, total: int) -> None:
+        """The run's step count, for a host that tells it only once the run is under way (kijai's
+        WanVideoSampler: the step and the fraction of steps done that each model call is given, from step 1
+        on): the report's steps, and the short-run rule, said once, where it applies."""
+        if self.steps.total is not None:
+            return
+        self.steps.tell_total(total)
+        self._short_run = self.short_run_in_words(total)
+        if self._short_run is not None:
+            self.notice("%s", self._short_run)
+
     def short_run_in_words(self, total: int | None) -> str | None:
         """How the strategy's schedule adapts to a run of ``total`` steps (its ``short_run``), in words;
         None where it does not."""
@@ -237,9 +255,14 @@ class MergeRuntime:
         under_compile = getattr(self.strategy, "under_compile", None)
         if call is not None and under_compile and compiled_model(apply_model, options):
             self.caveat(f"under torch.compile {under_compile}")
+        return self.run_call(call, apply_model, *args, **kwargs)
+
+    def run_call(self, call: ModelCall | None, model, /, *args, **kwargs):
+        """``model(*args, **kwargs)`` as the model call ``call`` (None: a call the host did not locate): its
+        block calls read the decisions settled for it, and what it merged reaches the stats after it."""
         self._call = call
         try:
-            return apply_model(*args, **kwargs)
+            return model(*args, **kwargs)
         finally:
             self._call = None
             if call is not None:
@@ -256,11 +279,17 @@ class MergeRuntime:
         where = self.locate(transformer_options)
         if where is None:
             return None
-        device = transformer_options["sigmas"].device
+        return self.call_at(where, transformer_options["sigmas"].device, batch,
+                            tuple(transformer_options.get("cond_or_uncond") or ()))
+
+    def call_at(self, where: Where, device, batch: int | None, layout: tuple) -> ModelCall:
+        """``begin_call`` for a model call located at ``where`` on ``device``, whose blocks see ``batch`` rows in
+        the ``layout`` their plan keys name (``cond_or_uncond``): for a host whose model calls say their own
+        step (kijai's WanVideoSampler), as for calls located by their sigmas."""
+        self._unreported = True
         self.stages.use(device)
         generator = self.generator(device)  # made here: a generator cannot be made (nor used) in traced code
         seed = draw_seed(generator).to(device) if getattr(self.strategy, "draws_seed", False) else None
-        layout = tuple(transformer_options.get("cond_or_uncond") or ())
         decisions = {}
         for key in self._keys:
             if key.rows == (batch, layout) and key not in self._failed:
@@ -318,7 +347,7 @@ class MergeRuntime:
         callable returning the (B, N, C) features that decide similarity (called only when a plan is
         built)."""
         rows = batch_key(x, transformer_options)
-        key = PlanKey(level, None if self.strategy.shares_plans else block, rows)
+        key = self.plan_key(level, block, rows)
         if key in self._failed:
             self.unmerged("no plan", "%s leaves %s unmerged: it could not build a merge plan", self.name, level)
             return None
@@ -339,11 +368,13 @@ class MergeRuntime:
         merge, new_destinations, new_weights = decision
         if not merge:
             return None
-        plan = cached = self._plans.get(key)
-        if cached is None or new_destinations or new_weights:
+        # a plan with new destinations needs nothing of the cached one: not reading it keeps the traced block
+        # call of a run's first build and of its later ones the same graph (blocks compiled one by one)
+        plan = cached = None if new_destinations else self._plans.get(key)
+        if cached is None or new_weights:
             try:
                 with self.stage("select"):
-                    given = None if cached is None or new_destinations else getattr(cached, "destinations", None)
+                    given = None if cached is None else getattr(cached, "destinations", None)
                     plan = self.build(call, level, rows, features, given)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
                 self._failed.add(key)
@@ -356,6 +387,20 @@ class MergeRuntime:
             call.decisions[key] = (True, False, False)  # later blocks of the key in this call reuse it
         call.merged[level] = plan.num_merged
         return plan
+
+    def plan_key(self, level: Level, block, rows: tuple) -> PlanKey:
+        """The key of the plan ``block`` uses at ``level`` for calls of batch layout ``rows`` (``batch_key``)."""
+        return PlanKey(level, None if self.strategy.shares_plans else block, rows)
+
+    def expect(self, call: ModelCall, keys) -> None:
+        """Settle before the model runs the decisions of plan ``keys`` this call's blocks will ask for that the run
+        has not seen (``plan`` takes them inside the block call otherwise): where each block is compiled on its
+        own (kijai's WanVideoWrapper), a block then traces one path per decision, none more for the run's first
+        call."""
+        for key in keys:
+            if key not in call.decisions and key not in self._failed:
+                call.decisions[key] = call.fresh
+                call.first_seen.append(key)
 
     def build(self, call: ModelCall, level: Level, rows: tuple, features, given):
         """A new plan for ``level`` with the ``given`` destinations (None: choose them); where the

@@ -48,6 +48,7 @@ class StepLocator:
         self._located = (None, None)  # (sigma tensor of the last model call, its Where)
         self.reported: int | None = None  # the step of the coming model calls, as the sampler reports it
         self._silent = 0  # model calls located since the last report
+        self._told_total: int | None = None  # the run's steps where the host told them without a schedule
 
     @property
     def schedule(self) -> tuple | None:
@@ -55,7 +56,11 @@ class StepLocator:
 
     @property
     def total(self) -> int | None:
-        return self.clock.total
+        return self.clock.total if self.clock.total is not None else self._told_total
+
+    def tell_total(self, total: int) -> None:
+        """The run's step count, where the host gives no schedule of sigmas but says it (``MergeRuntime.learn_total``)."""
+        self._told_total = int(total)
 
     def begin(self, schedule=None, model_sampling=None) -> None:
         """A new run: ``schedule`` its sigmas where the host hands them over; ``model_sampling`` the noise
@@ -72,6 +77,7 @@ class StepLocator:
                     self._progress[sigma] = progress_of_sigma(run_sampling, sigma)
         self._located = (None, None)
         self.reported, self._silent = None, 0
+        self._told_total = None
 
     def follow_reports(self) -> None:
         """The sampler of this run will report each step it finishes (``report``): locate model calls by
