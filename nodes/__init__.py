@@ -1,7 +1,9 @@
 """ComfyUI glue: model adapters (per model family) and the node classes."""
-from . import merge_map, toma_nodes
+from . import merge_map, toma_nodes, wan_video_wrapper
 
-NODE_CLASS_MAPPINGS = {**toma_nodes.NODE_CLASS_MAPPINGS, **merge_map.NODE_CLASS_MAPPINGS}
-NODE_DISPLAY_NAME_MAPPINGS = {**toma_nodes.NODE_DISPLAY_NAME_MAPPINGS, **merge_map.NODE_DISPLAY_NAME_MAPPINGS}
+NODE_CLASS_MAPPINGS = {**toma_nodes.NODE_CLASS_MAPPINGS, **merge_map.NODE_CLASS_MAPPINGS,
+                       **wan_video_wrapper.NODE_CLASS_MAPPINGS}
+NODE_DISPLAY_NAME_MAPPINGS = {**toma_nodes.NODE_DISPLAY_NAME_MAPPINGS, **merge_map.NODE_DISPLAY_NAME_MAPPINGS,
+                              **wan_video_wrapper.NODE_DISPLAY_NAME_MAPPINGS}
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -5,10 +5,19 @@
 # The venv is the test host's (tests/setup_host.sh); the tree's requirements (comfy-kitchen, comfy-aimdo,
 # blake3, simpleeval, torchaudio, which its comfy.sd imports, ...) go into it beside the older trees' (torch and
 # torchvision stay pinned); its comfyui-* wheels stay as they are.
+# Then the test-only requirements of kijai's ComfyUI-WanVideoWrapper (tests/requirements-wanvideowrapper.txt).
 # Then:  export COMFYUI_PATH=<repo>/.comfyui-2026   and run the tests as usual.
 # Env: COMFYUI_2026_MIRROR, a bare git dir of ComfyUI at v0.33.0 or later (default: the yzkee/ComfyUI mirror, a
 # plain mirror of upstream, beside this checkout).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 COMFYUI_MIRROR="${COMFYUI_2026_MIRROR:-$(cd "$root/.." && pwd)/.mirror/yzkee+ComfyUI/repo}" \
-COMFYUI_DEST="$root/.comfyui-2026" COMFYUI_KEEP_WHEELS=1 exec bash "$root/tests/setup_current.sh"
+COMFYUI_DEST="$root/.comfyui-2026" COMFYUI_KEEP_WHEELS=1 bash "$root/tests/setup_current.sh"
+
+# The test-only requirements of kijai's ComfyUI-WanVideoWrapper, which tests/test_wan_video_wrapper.py loads into
+# this tree from a mirror and samples (under the host's torch pins: pip never replaces torch).
+py="$root/.venv/bin/python"
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+"$py" -m pip freeze 2>/dev/null | grep -iE '^(torch|torchvision|torchaudio)==' > "$constraints"
+"$py" -m pip install -q -c "$constraints" -r "$root/tests/requirements-wanvideowrapper.txt"

@@ -27,6 +27,10 @@ API_FILES = sorted(p.name for p in server.WORKFLOWS.glob("*_api.json"))
 # without Flux these nodes are left out (everything else in the Flux graphs is still checked); a tree with
 # Flux (current ComfyUI, COMFYUI_PATH) checks them like any other node.
 FLUX_ERA_NODES = {"UNETLoader", "DualCLIPLoader", "FluxGuidance", "EmptySD3LatentImage"}
+# kijai's ComfyUI-WanVideoWrapper is another custom node pack, which the test server does not have: its nodes in a
+# shipped workflow (wanvideowrapper_*) are left out there, as Flux's in a tree without Flux; ours and ComfyUI's in
+# the same graph are checked like any other.
+WRAPPER_PACK = ("WanVideo", "LoadWanVideo")
 # Combo inputs whose choices are the user's model files: the test server has none of them.
 FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name"}
 # Combo inputs whose choices are the files of the user's input folder (LoadImage): the test server's is empty.
@@ -80,9 +84,10 @@ def object_info(served):
 
 
 def checked_types(info: dict) -> callable:
-    """Predicate: is a node of this class checked against this tree (see FLUX_ERA_NODES)?"""
+    """Predicate: is a node of this class checked against this tree (see FLUX_ERA_NODES, WRAPPER_PACK)?"""
     has_flux = "FluxGuidance" in info
-    return lambda class_type: has_flux or class_type not in FLUX_ERA_NODES
+    return lambda class_type: ((has_flux or class_type not in FLUX_ERA_NODES)
+                               and (class_type in info or not class_type.startswith(WRAPPER_PACK)))
 
 
 def declared_inputs(definition: dict) -> list[tuple[str, list]]:
