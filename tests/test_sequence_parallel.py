@@ -217,12 +217,12 @@ def test_raylight_ranks_merge_their_slabs_to_equal_lengths(pack, wan, frames, si
         assert relative_l2(toma, one_gpu["toma"]) < ALIGNED_SHARE * change
 
 
-def test_a_block_called_on_padded_slabs_merges_each_to_equal_lengths(pack, wan, monkeypatch):
+def test_a_block_called_on_padded_slabs_merges_each_to_equal_lengths(pack, wan, monkeypatch, caplog):
     """The stand-in: one Wan block call's tokens and RoPE rows padded to a multiple of the ranks and cut into
     contiguous slabs, as raylight does, each rank's call through ToMA's patch with xfuser's group naming the
-    rank: the block runs on as many merged tokens on every rank, fewer than its slab, and the stats name each
-    rank's slab. The basic node's video
-    default (keys/values) merges whole blocks there, and says so."""
+    rank: at scope block the block runs on as many merged tokens on every rank, fewer than its slab, and the
+    stats name each rank's slab. The basic node's video default (keys/values, which cannot reach xfuser's
+    attention) steps aside on every rank, counted, and the log says to use scope block."""
     dit, wan_adapter = pack.nodes.adapters.dit, pack.nodes.adapters.wan
     dm = wan.model.diffusion_model
     layout = dit.ImageLayout(h=7, w=10, frames=5)
@@ -238,7 +238,6 @@ def test_a_block_called_on_padded_slabs_merges_each_to_equal_lengths(pack, wan, 
     monkeypatch.setitem(sys.modules, "xfuser.core.distributed", pack_source.stand_in_module(
         "xfuser.core.distributed", get_sequence_parallel_rank=lambda: group.rank,
         get_sequence_parallel_world_size=lambda: WORLD))
-    (default,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(wan, -1, 0, 5)
     block, lengths = dm.blocks[3], []
 
     def run(args):
@@ -246,23 +245,35 @@ def test_a_block_called_on_padded_slabs_merges_each_to_equal_lengths(pack, wan, 
         return {"img": block(args["img"], e=args["vec"], freqs=args["pe"], context=args["txt"],
                              transformer_options=args["transformer_options"])}
 
-    for model in (dit_checks.toma_patched(pack, wan, scope="block")[0], default):
-        runtime = pack.nodes.runtime.runtime_of(model)
-        runtime.begin_run()
-        patch = wan_adapter.WanPatch(runtime, keys_values=model is default, proportional=model is default)
-        lengths.clear()
+    def ranks(patch):
+        outs = []
         for rank, (xr, per) in enumerate(zip(xs, pes)):
             group.rank = rank
-            options = {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}
-            out = patch.block({"img": xr, "txt": context, "vec": e0, "pe": per, "transformer_options": options},
-                              {"original_block": run})["img"]
-            assert out.shape == xr.shape and torch.isfinite(out).all()
-        assert len(set(lengths)) == 1 and lengths[0] < xs[0].shape[1]
-        report = runtime.report()
-        assert not report.unmerged
-        assert sorted(level.slab[:2] for level in report.levels) == [(0, 117), (117, 234), (234, 350)]
-        caveats = " ".join(report.caveats)
-        assert ("merges whole blocks on its slab" in caveats) == (model is default)
+            args = {"img": xr, "txt": context, "vec": e0, "pe": per,
+                    "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+            outs.append((patch.block(args, {"original_block": run})["img"], run(args)["img"]))
+        return outs
+
+    _, runtime = dit_checks.toma_patched(pack, wan, scope="block")
+    runtime.begin_run()
+    lengths.clear()
+    for out, unmerged in ranks(wan_adapter.WanPatch(runtime)):
+        assert out.shape == unmerged.shape and torch.isfinite(out).all() and not torch.equal(out, unmerged)
+    merged = lengths[::2]  # each rank: the patched call, then the block alone
+    assert len(set(merged)) == 1 and merged[0] < xs[0].shape[1]
+    report = runtime.report()
+    assert not report.unmerged and not report.caveats
+    assert sorted(level.slab[:2] for level in report.levels) == [(0, 117), (117, 234), (234, 350)]
+
+    (default,) = pack.nodes.toma_nodes.ToMAPatchModel().patch(wan, -1, 0, 5)
+    runtime = pack.nodes.runtime.runtime_of(default)
+    runtime.begin_run()
+    with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
+        outs = ranks(wan_adapter.WanPatch(runtime, keys_values=True, proportional=True))
+    assert all(torch.equal(out, unmerged) for out, unmerged in outs)
+    assert runtime.report().unmerged == {dit.SLAB: WORLD} and not runtime.report().plans
+    said = [r.getMessage() for r in caplog.records if "sequence parallelism" in r.getMessage()]
+    assert len(said) == 1 and "steps aside" in said[0] and "scope block" in said[0]
 
 
 def test_without_a_sequence_parallel_group_slabs_step_aside(pack, wan, caplog):

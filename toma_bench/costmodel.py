@@ -744,14 +744,16 @@ class RankRecording:
 
 
 def sequence_parallel_variants(pack) -> list[Variant]:
-    """What the ranks run: unpatched, the node's default (on slabs: whole blocks at its ratio, since xfuser's
-    attention takes no override) and whole blocks at ratio 0.5."""
+    """What the ranks run: unpatched, the node's default (keys/values: on slabs it steps aside, since xfuser's
+    attention takes no override) and whole blocks (scope block, which slabs merge at) at ratios 0.5 and 0.75."""
     tn = pack.nodes.toma_nodes
+    advanced = tn.ToMAPatchModelAdvanced()
     return [Variant("unpatched", patch=lambda m: m),
             Variant("ToMA default (r=auto)",
-                    patch=lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0]),
-            Variant("ToMA scope block r=0.5",
-                    patch=lambda m: tn.ToMAPatchModelAdvanced().patch(m, 0.5, 4, tn.DEFAULT_REUSE, scope="block")[0])]
+                    patch=lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0])
+            ] + [Variant(f"ToMA scope block r={r:g}",
+                         patch=lambda m, r=r: advanced.patch(m, r, 4, tn.DEFAULT_REUSE, scope="block")[0])
+                 for r in (0.5, 0.75)]
 
 
 def record_ranks(spec: Spec, pack, steps: int, world: int, progress=print) -> list[RankRecording]:

@@ -43,12 +43,12 @@ offsets of the residual stream.
 
 Sequence parallelism (raylight's USP over xDiT): each rank's blocks see one contiguous slab of the model
 call's tokens, the sequence padded at its end to a multiple of the ranks. Wan's blocks merge their slab
-(``DiTPatch.slab_of``, the rank read from xfuser's sequence-parallel group): the call's windows cut to the
-slab (a window the slab cuts merges its part there, padding is never in a window), one plan per slab, whole
-blocks whatever the scope (xfuser's attention takes no override), and as many tokens kept on every rank
-(``equal_slabs``: the slab that keeps most at the ratio sets the length, the others keep more), since
-Ulysses attention exchanges equal slabs. Other families, and slabs whose rank no group names, step aside
-for the model call (counted, said once).
+(``DiTPatch.slab_of``, the rank read from xfuser's sequence-parallel group) at scope block: the call's
+windows cut to the slab (a window the slab cuts merges its part there, padding is never in a window), one
+plan per slab, whole blocks, and as many tokens kept on every rank (``equal_slabs``: the slab that keeps most
+at the ratio sets the length, the others keep more), since Ulysses attention exchanges equal slabs. At the
+scopes that merge inside a block (keys/values, the video default; feed-forward), other families, and slabs
+whose rank no group names, the model call steps aside (counted, said once, with why: SLABS_TAKE_BLOCKS).
 
 Token grid: from the model's own input, stashed in ``transformer_options`` for the block patches by a
 wrapper of the call that sees the latent (``LayoutStash``). Latents are padded to the patch size p, so a
@@ -81,6 +81,13 @@ NO_LAYOUT = "no token layout"
 TOKEN_COUNT = "token count differs from the layout"
 POSITIONS = "positions do not fit"
 SLAB = "sequence-parallel slab"
+# why Wan's slabs step aside at the scopes that merge inside a block: raylight's attention is xfuser's, which takes
+# no attention override (keys/values), and attention over every token exchanges whole slabs (feed-forward); whole
+# blocks lose much more of the picture (the Wan proxy at 8 frames, 2 clips: the video default 24.52 dB, whole
+# blocks r=0.5 18.99 dB, r=0.75 15.57 dB: docs/benchmarks.md, "Sequence parallelism"), so they are asked for
+SLABS_TAKE_BLOCKS = ("merging slabs takes scope block (whole blocks: xfuser's attention takes no attention override, "
+                     "which keys/values needs; whole blocks keep less of the picture, so the Advanced node's scope "
+                     "block asks for them)")
 SPARSE = "left to core's sparse attention"
 ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
 # Block groups, named by their role (the names plans, stats and the merge map use):
@@ -748,16 +755,9 @@ class DiTPatch:
         return None
 
     def slab_call(self, args: dict, run, slab: SlabLayout, block=None) -> dict:
-        """A block call over one rank's ``slab``: its grid tokens merged, the block run whole on the merged
-        slab (as long on every rank: Ulysses attention exchanges fewer tokens), its update unmerged. Whole
-        blocks whatever the node's scope: raylight's attention (xfuser's) takes no attention override, and
-        merging the feed-forward alone would leave the exchanges as long as they were."""
-        if self.keys_values or self.feed_forward:
-            scope = ("keys/values cannot reach it" if self.keys_values
-                     else "the attention of scope feed-forward would exchange the whole slab")
-            self.runtime.caveat("under sequence parallelism (raylight's USP) each rank merges whole blocks on its "
-                                f"slab (scope block): xfuser's attention takes no attention override ({scope})"
-                                + (", and proportional attention is not honoured" if self.proportional else ""))
+        """A block call over one rank's ``slab`` at scope block: its grid tokens merged, the block run whole on
+        the merged slab (as long on every rank: Ulysses attention exchanges fewer tokens), its update
+        unmerged."""
         return self.whole_block_call(VIDEO, args, run, slab.lead, 0, slab, block)
 
     def positions_fit_or_count(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
@@ -826,6 +826,9 @@ class DiTPatch:
                                   self.runtime.name)
             return run(args)
         if self.merges_slabs and img.shape[1] < layout.total and not options.get(SLAB_KEY):
+            if self.keys_values or self.feed_forward:
+                self.tokens_fit(img.shape[1], layout.total, options, SLABS_TAKE_BLOCKS)
+                return run(args)
             slab = self.slab_of(img.shape[1], layout, options)
             if slab is None or not self.positions_fit_or_count(args, VIDEO, 0, slab):
                 return run(args)
