@@ -1,8 +1,9 @@
 """Sequence-parallel slabs (raylight, komikndr/raylight: xDiT's USP over several GPUs): each rank's blocks see one
 contiguous slab of the model call's tokens, the last one padded, and Ulysses attention needs every rank to
-hold as many tokens as the others. On Wan each rank merges its own slab: the call's windows cut to the slab,
-one plan per slab, as many tokens kept on every rank, whole blocks (xfuser's attention takes no override).
-Other families step aside, counted and said once.
+hold as many tokens as the others. On Wan at scope block each rank merges its own slab: the call's windows cut
+to the slab, one plan per slab, as many tokens kept on every rank. At the video default's scope (keys/values,
+which xfuser's attention, taking no override, cannot run), other families' slabs and slabs whose rank no
+xfuser group names, the model call steps aside, counted and said once.
 
 Simulated on the CPU as raylight runs it, one process per rank: the tiny Wan, patched by ToMA (or not), is
 forked into ``WORLD`` processes joined by a gloo process group; in each, raylight's own USP injection
