@@ -782,11 +782,7 @@ def record_ranks(spec: Spec, pack, steps: int, world: int, progress=print) -> li
                 progress(f"[costmodel] {spec.name} over {world} ranks: {variant.label} recorded in "
                          f"{time.perf_counter() - started:.1f} s")
     finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        pack_source.restore_modules(saved)
     return out
 
 

@@ -58,8 +58,4 @@ def lightricks_modules():
                 spec.loader.exec_module(module)
             yield sys.modules["comfy.ldm.lightricks.av_model"]
         finally:
-            for name, module in saved.items():
-                if module is None:
-                    sys.modules.pop(name, None)
-                else:
-                    sys.modules[name] = module
+            pack_source.restore_modules(saved)

@@ -149,12 +149,17 @@ def _import(repo: str, name: str, path: str, stand_ins: dict, module_name: str |
             sys.modules.update(stand_ins)
             spec.loader.exec_module(module)
         finally:
-            for key, previous in saved.items():
-                if previous is None:
-                    sys.modules.pop(key, None)
-                else:
-                    sys.modules[key] = previous
+            restore_modules(saved)
     return module
+
+
+def restore_modules(saved: dict) -> None:
+    """Put back the ``sys.modules`` entries ``saved`` holds ({name: module, or None where there was none})."""
+    for key, previous in saved.items():
+        if previous is None:
+            sys.modules.pop(key, None)
+        else:
+            sys.modules[key] = previous
 
 
 def stand_in_module(name: str, **attributes) -> types.ModuleType:
