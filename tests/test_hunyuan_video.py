@@ -6,6 +6,7 @@ checks every DiT family passes are in tests/test_family_conformance.py.
 Latents are tiny: 14x22 (7x11 tokens: odd and non-square), 5 latent frames.
 """
 import logging
+import types
 
 import pytest
 import torch
@@ -81,9 +82,22 @@ def test_merging_into_every_token_reproduces_the_unpatched_model(pack, model, va
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_block_scope_merging_into_every_token_reproduces_the_unpatched_model(pack, model, variant):
+    """Scope "block" with every token a destination: the merged blocks see their video tokens permuted,
+    each with its own RoPE row, mask column and modulation, wherever this ComfyUI puts the text in the
+    joint sequence (read from the model: test_the_joint_order_is_the_patched_models_own), so the output is
+    the unpatched model's."""
+    inputs = VARIANTS[variant]
+    patched, runtime = toma_patched(pack, model, ratio=0.05, window=2, temporal_window=1, scope="block")
+    dit_checks.check_merging_only_permutes(patched, model, lambda m: sample(m, **inputs))
+    frames = 4 if "first_frame" in inputs else 5
+    assert sorted(runtime.summary()["levels"]) == [f"joint {frames}x7x11", f"two-stream {frames}x7x11"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_attention_scope_merging_into_every_token_reproduces_the_unpatched_model(pack, model, variant):
-    """Scope "attention": the double blocks run at full length and only their [lead, video, txt] attention
-    merges the video rows (image first: ``flipped_img_txt``); with every token a destination that only
+    """Scope "attention": the double blocks run at full length and only their joint attention ([lead,
+    video, txt] or [txt, lead, video]: the model's order) merges the video rows; with every token a destination that only
     permutes, so the output matches the unpatched model, lead tokens and modulation ranges included; a
     text mask (one key row) is cut to the merged sequence."""
     inputs = VARIANTS[variant]
@@ -152,15 +166,17 @@ def test_text_mask_columns_follow_the_merged_sequence(pack, model):
     assert torch.isfinite(sample(half, text_mask=mask)).all()
 
 
-def _block_call(pack, model, frames, h, w, txt_len, lead_frames, batch=2):
+def _block_call(pack, model, frames, h, w, txt_len, lead_frames, batch=2, video_first=True):
     """Inputs of one HunyuanVideo block call built the way HunyuanVideo builds them: pe from
-    (frame, row, col) ids of the video then zeros for the text, a text mask as one key row, and
-    image-to-video v2 modulation ranges when the first ``lead_frames`` frame leads unmerged."""
+    (frame, row, col) ids of the video and zeros for the text, in the joint order (``video_first``:
+    [video, txt], else [txt, video]), a text mask as one key row, and image-to-video v2 modulation ranges
+    when the first ``lead_frames`` frame leads unmerged."""
     dit = pack.nodes.adapters.dit
     dm = model.model.diffusion_model
     g = torch.Generator().manual_seed(6)
     t, r, c = torch.meshgrid(torch.arange(frames), torch.arange(h), torch.arange(w), indexing="ij")
-    ids = torch.cat([torch.stack([t, r, c], -1).view(-1, 3).float(), torch.zeros(txt_len, 3)])
+    video_ids, txt_ids = torch.stack([t, r, c], -1).view(-1, 3).float(), torch.zeros(txt_len, 3)
+    ids = torch.cat([video_ids, txt_ids] if video_first else [txt_ids, video_ids])
     n_img, C = frames * h * w, dm.hidden_size
     L = n_img + txt_len
     lead = lead_frames * h * w
@@ -174,27 +190,48 @@ def _block_call(pack, model, frames, h, w, txt_len, lead_frames, batch=2):
     return args, lambda rows: dm.pe_embedder(ids[rows][None])[0, 0]
 
 
+def test_the_joint_order_is_the_patched_models_own(pack, model):
+    """ComfyUI v0.3.x builds HunyuanVideo's double blocks with ``flipped_img_txt`` (joint sequences
+    [video, txt]); from v0.33.0 they have no such flag and the text comes first, as in Flux. The patch
+    reads the order from the model it patches, never from the ComfyUI version."""
+    hv = pack.nodes.adapters.hunyuan_video
+    dm = model.model.diffusion_model
+    flipped = [getattr(block, "flipped_img_txt", None) for block in dm.double_blocks]
+    assert hv.video_first(dm) == (flipped[0] is True) and len(set(flipped)) == 1
+    _, runtime = toma_patched(pack, model)
+    patch = hv.HunyuanVideoPatch(runtime)
+    patch.read_model(dm)
+    assert patch.image_first == hv.video_first(dm)
+
+
+@pytest.mark.parametrize("video_first", [True, False], ids=["video-first", "text-first"])
 @pytest.mark.parametrize("block", ["double", "single"])
-def test_merged_block_call_gets_destination_rows_and_moved_ranges(pack, model, block):
-    """A spy in place of the block sees: the first frame's rows (image-to-video v2) untouched and in
-    front, each merged video token with the RoPE of its destination's (frame, row, col), text rows
-    untouched, the mask's key columns cut to the same rows, modulation ranges moved onto the merged
-    sequence; the patch returns full-length tokens with the block's update unmerged onto every token."""
+def test_merged_block_call_gets_destination_rows_and_moved_ranges(pack, model, block, video_first):
+    """A spy in place of the block sees, in either joint order (the patch told it by ``read_model``):
+    the first frame's rows (image-to-video v2) untouched and in front of the video, each merged video token
+    with the RoPE of its destination's (frame, row, col), text rows untouched, the mask's key columns cut to
+    the same rows, modulation ranges moved onto the merged sequence; the patch returns full-length tokens
+    with the block's update unmerged onto every token."""
     hv = pack.nodes.adapters.hunyuan_video
     frames, h, w, txt_len = 3, 3, 4, 5
-    args, rope_of = _block_call(pack, model, frames, h, w, txt_len, lead_frames=1)
+    args, rope_of = _block_call(pack, model, frames, h, w, txt_len, lead_frames=1, video_first=video_first)
     lead, n_video = h * w, (frames - 1) * h * w
-    # ranges after the video move back: use one that ends at the video's end and one over the text
+    start = 0 if video_first else txt_len  # where the image tokens start in the joint sequence
+    # ranges after the video move back: use one that ends at the video's end and one over the text; a double
+    # block's ranges cover its image stream, a single block's the joint sequence
     key = "modulation_dims_img" if block == "double" else "modulation_dims"
-    args[key] = [(0, lead, 0), (lead, lead + n_video, 1), (lead + n_video, None, 1)]
+    at = 0 if block == "double" else start
+    args[key] = [(0, at + lead, 0), (at + lead, at + lead + n_video, 1), (at + lead + n_video, None, 1)]
     _, runtime = toma_patched(pack, model)
     patch, seen = hv.HunyuanVideoPatch(runtime), {}
+    patch.read_model(types.SimpleNamespace(double_blocks=[types.SimpleNamespace(flipped_img_txt=True)] if video_first
+                                           else [types.SimpleNamespace()]))
     spy = dit_checks.spy(seen, passes=("txt",) if block == "double" else ())
     if block == "double":
         out = patch.double_block(dict(args), {"original_block": spy})
         image_in = args["img"]
     else:
-        joint = torch.cat([args["img"], args["txt"]], 1)
+        joint = torch.cat([args["img"], args["txt"]] if video_first else [args["txt"], args["img"]], 1)
         single = {k: v for k, v in args.items() if k not in ("txt", "modulation_dims_img", "modulation_dims_txt")}
         out = patch.single_block({**single, "img": joint}, {"original_block": spy})
         image_in = joint
@@ -202,14 +239,15 @@ def test_merged_block_call_gets_destination_rows_and_moved_ranges(pack, model, b
     destinations = plan.destination_tokens()
     n = destinations.shape[1]
     assert n < n_video and seen["img"].shape[1] == image_in.shape[1] - (n_video - n)
-    assert seen[key] == [(0, lead, 0), (lead, lead + n, 1), (lead + n, None, 1)]
+    assert seen[key] == [(0, at + lead, 0), (at + lead, at + lead + n, 1), (at + lead + n, None, 1)]
     pe, L = seen["pe"], lead + n_video + txt_len
+    video = start + lead  # the video's first row in the joint sequence
     for b in range(2):
-        video_rows = lead + destinations[b]
-        assert torch.equal(pe[b, 0, :lead], rope_of(torch.arange(lead)))
-        assert torch.allclose(pe[b, 0, lead:lead + n], rope_of(video_rows))
-        assert torch.equal(pe[b, 0, lead + n:], rope_of(torch.arange(lead + n_video, L)))
-        kept = torch.cat([torch.arange(lead), video_rows, torch.arange(lead + n_video, L)])
+        video_rows = video + destinations[b]
+        assert torch.equal(pe[b, 0, :video], rope_of(torch.arange(video)))
+        assert torch.allclose(pe[b, 0, video:video + n], rope_of(video_rows))
+        assert torch.equal(pe[b, 0, video + n:], rope_of(torch.arange(video + n_video, L)))
+        kept = torch.cat([torch.arange(video), video_rows, torch.arange(video + n_video, L)])
         assert torch.equal(seen["attention_mask"][b, 0], kept.float())
     # a +1 update on merged tokens is +1 on every video token; the rest get +1 as is
     dit_checks.check_update_on_every_token(out["img"], image_in)

@@ -667,6 +667,10 @@ class DiTPatch:
         self.taken_from: dict[str, list] = {}  # group -> runtimes of earlier token merge nodes whose blocks this took
         self.around: MergedSpan | None = None  # scope feed-forward: the block call under way's merge
 
+    def read_model(self, dm) -> None:
+        """Read from the diffusion model being patched what its blocks' layout depends on (a family whose
+        token order differs between ComfyUI trees sets it here; by default nothing does)."""
+
     def took(self, group: str, previous: MergeRuntime) -> None:
         """Note that blocks of ``group`` patched by the earlier token merge node ``previous`` merge here
         instead: each run that merges the group tells ``previous`` (its stats name this node)."""

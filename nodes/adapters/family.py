@@ -164,6 +164,7 @@ class DiTFamily:
         blocks = self.blocks(runtime, attention_only=attention_only(chosen, self.name),
                              keys_values=keys_values_only(chosen, self.name), proportional=proportional,
                              feed_forward=self.feed_forward if chosen == placement.FEED_FORWARD else ())
+        blocks.read_model(dm)
         if proportional and blocks.feed_forward:
             runtime.caveat(f"proportional attention is not honoured with scope feed-forward ({self.name}'s "
                            "attention keeps every key)")

@@ -3,11 +3,14 @@ concat / v2 replace / custom reference, SkyReels) and the models ComfyUI builds 
 (HunyuanImage 2.1 and its refiner): double blocks and single blocks merge their video tokens
 (nodes/adapters/dit.py says how).
 
-Layout: HunyuanVideo is Flux's architecture with the video first. The image stream of a double block
-and the joint sequence of a single block are [lead, video, txt]; ``pe`` (B, 1, L, ...) and the text
-mask ``attention_mask`` (1, 1, L) (one key row for every query) follow the same order. ``lead``: the
-tokens of a reference latent (image-to-video "custom": prepended to the video) and, for image-to-video
-v2, the first latent frame; they are never merged. Text is never merged.
+Layout: HunyuanVideo is Flux's architecture; the joint attention of a double block and the joint
+sequence of a single block are [lead, video, txt] where ComfyUI builds the double blocks with
+``flipped_img_txt`` (v0.3.x), and [txt, lead, video], Flux's order, where its blocks have no such flag
+(v0.33.0 on): ``video_first`` reads which from the model when it is patched. ``pe`` (B, 1, L, ...) and
+the text mask ``attention_mask`` (1, 1, L) (one key row for every query) follow the joint order; the
+image stream of a double block is [lead, video] in both. ``lead``: the tokens of a reference latent
+(image-to-video "custom": prepended to the video) and, for image-to-video v2, the first latent frame;
+they are never merged. Text is never merged.
 
 Image-to-video v2 ("replace", ``guiding_frame_index``): the first latent frame is the input image and its
 tokens get another modulation vector, given as ranges over the sequence (``modulation_dims_img``,
@@ -75,21 +78,41 @@ def merged_ranges(ranges, start: int, tokens: int, merged: int):
     return [(at(begin), at(end), vector) for begin, end, vector in ranges]
 
 
-class HunyuanVideoPatch(DiTPatch):
-    """Double and single block patches for the [lead, video, txt] layout."""
+def video_first(dm) -> bool:
+    """Whether the joint sequences of HunyuanVideo ``dm`` hold the video before the text: its double blocks
+    were built with ``flipped_img_txt`` (ComfyUI v0.3.x: [video, txt] in their attention, and the single
+    blocks' sequence too); a block without that attribute concatenates [txt, video] as Flux's does."""
+    return any(getattr(block, "flipped_img_txt", False) for block in dm.double_blocks)
 
-    image_first = True  # flipped_img_txt: the joint attention and the single blocks see [lead, video, txt]
+
+class HunyuanVideoPatch(DiTPatch):
+    """Double and single block patches for HunyuanVideo's layout, in the joint order of the patched model
+    (``read_model``: [lead, video, txt] or [txt, lead, video])."""
+
+    image_first = True  # ComfyUI v0.3.x's order; read_model sets the patched model's own
+
+    def read_model(self, dm) -> None:
+        self.image_first = video_first(dm)
+
+    def video_start(self, key: str, txt_len: int, layout: ImageLayout) -> int:
+        """Where the video grid starts in the sequence the per-token input ``key`` covers: the image stream
+        of a double block (its modulation ranges) or the joint sequence (pe, the mask, a single block's
+        modulation ranges)."""
+        if key == MODULATION_KEYS[TWO_STREAM] or self.image_first:
+            return layout.lead
+        return txt_len + layout.lead
 
     def fits(self, args: dict, group: str, txt_len: int, layout: ImageLayout) -> bool:
-        """Whether pe, the mask and the modulation ranges cover exactly [lead, video, txt] with no range
-        boundary inside the video (another patch may have changed them)."""
+        """Whether pe, the mask and the modulation ranges cover exactly the lead, video and text tokens,
+        with no range boundary inside the video (another patch may have changed them)."""
         full = layout.total + txt_len
-        pe, mask, ranges = args.get("pe"), args.get("attention_mask"), args.get(MODULATION_KEYS[group])
+        key = MODULATION_KEYS[group]
+        pe, mask, ranges = args.get("pe"), args.get("attention_mask"), args.get(key)
         if pe is not None and (pe.dim() < 3 or pe.shape[2] != full):
             return False
         if mask is not None and (mask.shape[-1] != full or mask.dim() < 2 or mask.shape[-2] not in (1, full)):
             return False
-        if ranges is not None and not ranges_fit(ranges, layout.lead, layout.tokens):
+        if ranges is not None and not ranges_fit(ranges, self.video_start(key, txt_len, layout), layout.tokens):
             self.runtime.notice("HunyuanVideo: modulation ranges %s split the video grid; those blocks run "
                                 "unmerged", ranges)
             return False
@@ -100,12 +123,13 @@ class HunyuanVideoPatch(DiTPatch):
         args, layout, plan = call.args, call.layout, call.plan
         full = layout.total + call.txt_len
         pe, mask = args.get("pe"), args.get("attention_mask")
-        out = {key: merged_ranges(args[key], layout.lead, layout.tokens, plan.num_merged)
+        out = {key: merged_ranges(args[key], self.video_start(key, call.txt_len, layout), layout.tokens,
+                                  plan.num_merged)
                for key in MODULATION_KEYS.values() if args.get(key) is not None}
         if pe is None and mask is None:
             return out
         destinations = plan.destination_tokens().to((pe if pe is not None else mask).device)
-        index = sequence_index(layout.lead, layout.tokens, full, destinations)
+        index = sequence_index(self.video_start("pe", call.txt_len, layout), layout.tokens, full, destinations)
         if pe is not None:
             out["pe"] = take_rows(pe, index, 2)
         if mask is not None:
