@@ -103,12 +103,14 @@ PRESETS = {
     # earlier default (ratio 0.75 from 40% of the schedule) kept 23.02 dB but only 1.37x eager. In runs of up
     # to 8 steps a new plan every step (docs/benchmarks.md, "The defaults, and why")
     "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1)),
-    # keys and values of the self-attention (queries whole, nothing to unmerge), each block its own plan,
-    # proportional attention, every step: 21.35 dB on the Wan proxy (4 clips), where the earlier default
-    # (whole blocks on one step in 2) kept 21.29 dB; Wan 2.1 14B 720p 1.97x with shared destinations on the
-    # clock that prices the host (15 steps), the earlier default 1.71x. In runs of up to 8 steps a new plan
-    # every step (4 steps: 1.96x at 21.50 dB, the earlier default 1.64x at 21.59 dB)
-    "video": Preset(KEYS_VALUES, plan_per_block=True, proportional=True, short_run=ShortRun(8, reuse_interval=1)),
+    # keys and values of the self-attention (queries whole, nothing to unmerge), each merged key its group's
+    # average, each block its own plan, proportional attention, every step, ratio 0.9: Wan 2.1 14B 720p 2.52x
+    # on the clock that prices the host (15 steps; the earlier default, whole blocks on one step in 2, 1.71x);
+    # on the Wan proxy 20.99 dB on 4 clips of 4 frames (the earlier default 21.29: 0.30 dB short) and more
+    # than the earlier default at 8 frames (docs/benchmarks.md, "Merged keys: the video default"). In runs
+    # of up to 8 steps a new plan every step
+    "video": Preset(KEYS_VALUES, ratio=0.9, plan_per_block=True, proportional=True,
+                    short_run=ShortRun(8, reuse_interval=1)),
 }
 
 
