@@ -89,6 +89,7 @@ SLABS_TAKE_BLOCKS = ("merging slabs takes scope block (whole blocks: xfuser's at
                      "which keys/values needs; whole blocks keep less of the picture, so the Advanced node's scope "
                      "block asks for them)")
 SPARSE = "left to core's sparse attention"
+FEED_FORWARD_COMPILED = "scope feed-forward under torch.compile"
 ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
 # Block groups, named by their role (the names plans, stats and the merge map use):
 TWO_STREAM = "two-stream"  # image and text in streams of their own, one joint attention (Flux's double blocks)
@@ -929,6 +930,12 @@ class DiTPatch:
     def feed_forward_call(self, group: str, args: dict, run, start: int, layout: ImageLayout, block=None) -> dict:
         """Run the block whole on ``args["img"]``, the submodules ``feed_forward`` names on its grid tokens
         [start, start + layout.tokens) merged (``merged_forward`` reads the plan from ``around``)."""
+        if self.runtime.compiled_call:
+            self.runtime.unmerged(FEED_FORWARD_COMPILED, "%s: scope feed-forward does not merge under torch.compile "
+                                  "(compiled, ComfyUI v0.3.64 traced Wan's feed-forward without its patched forward and "
+                                  "ran it unmerged without a word, unlike eager); those blocks run unmerged. Use scope "
+                                  "keys/values or block to merge compiled", self.runtime.name)
+            return run(args)
         seq, options = args["img"], args["transformer_options"]
         plan = self.plan_for(group, seq[:, start:start + layout.tokens], layout.grid, options, block)
         if plan is None:

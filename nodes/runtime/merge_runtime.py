@@ -42,6 +42,7 @@ class ModelCall:
         self.decisions = decisions  # PlanKey -> (merge, new destinations, new weights)
         self.fresh = fresh  # the decision of a plan key this run has not seen yet
         self.seed = seed  # int64 scalar from the run's generator, for a strategy that draws_seed
+        self.compiled = False  # whether the diffusion model runs under torch.compile (compiled_model)
         self.seeds_taken = 0  # plans built from it in this call: each takes the next stream of it
         self.first_seen: list = []  # such keys, handed to the schedule after the call
         self.merged: dict = {}  # Level -> merged tokens of the plans used in this call
@@ -252,10 +253,18 @@ class MergeRuntime:
         options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
         x = kwargs.get("x", args[0] if args else None)
         call = None if options is None else self.begin_call(options, getattr(x, "shape", (None,))[0])
+        if call is not None:
+            call.compiled = compiled_model(apply_model, options)
         under_compile = getattr(self.strategy, "under_compile", None)
-        if call is not None and under_compile and compiled_model(apply_model, options):
+        if call is not None and under_compile and call.compiled:
             self.caveat(f"under torch.compile {under_compile}")
         return self.run_call(call, apply_model, *args, **kwargs)
+
+    @property
+    def compiled_call(self) -> bool:
+        """Whether the model call under way runs its diffusion model under torch.compile (a host-side flag
+        set before the model runs: constant over a compiled run, so a guard that never fails)."""
+        return self._call is not None and self._call.compiled
 
     def run_call(self, call: ModelCall | None, model, /, *args, **kwargs):
         """``model(*args, **kwargs)`` as the model call ``call`` (None: a call the host did not locate): its
