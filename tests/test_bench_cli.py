@@ -29,3 +29,13 @@ def test_flux_variants_are_every_scope_and_schedule_at_every_ratio():
                       "ToMA attention r=0.5", "ToMA attention r=0.5 every 3",
                       "ToMA block r=0.5", "ToMA block r=0.5 every 3"]
     assert [v.label for v in flux.variants_of([0.75], ["block"], [2])] == ["unpatched", "ToMA block r=0.75 every 2"]
+
+
+@pytest.mark.parametrize("line", ["Using pytorch attention",  # ComfyUI of 2024 and 2025
+                                  "\x1b[32m[INFO]\x1b[0m Using pytorch attention"])  # ComfyUI v0.33.0's log
+def test_main_job_names_comfyuis_attention_backend_from_its_log(tmp_path, line):
+    from toma_bench import main_job
+
+    log = tmp_path / "comfyui.log"
+    log.write_text(f"Total VRAM 0 MB\n{line}\nUsing pytorch attention in VAE\n")
+    assert main_job.attention_line(log) == "Using pytorch attention"

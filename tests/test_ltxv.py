@@ -46,12 +46,14 @@ def sample(model, frames=5, size="odd", batch=1, tokens=128, steps=2, cfg=1.0, s
         mask = torch.ones(batch, 1, frames, 1, 1)
         mask[:, :, 0] = 0.0
     if guide is not None:
-        from comfy.ldm.lightricks.symmetric_patchifier import SymmetricPatchifier, latent_to_pixel_coords
+        from comfy.ldm.lightricks.symmetric_patchifier import latent_to_pixel_coords
+        from comfy_extras.nodes_lt import LTXVAddGuide
 
         latent = torch.cat([latent, guide.expand(batch, -1, -1, -1, -1)], 2)
         mask = torch.cat([torch.ones(batch, 1, frames, 1, 1) if mask is None else mask,
                           torch.zeros(batch, 1, 1, 1, 1)], 2)
-        coords = latent_to_pixel_coords(SymmetricPatchifier(1).patchify(guide)[1], (8, 32, 32))
+        # the node's own patchifier: ComfyUI v0.33.0's keeps each token's [start, end] (one more dimension)
+        coords = latent_to_pixel_coords(LTXVAddGuide.PATCHIFIER.patchify(guide)[1], (8, 32, 32))
         coords[:, 0] += 8
         extra["keyframe_idxs"] = coords
     positive, negative = models.video_conditioning("ltxv", CONFIG, batch, tokens, seed, **extra)

@@ -36,6 +36,9 @@ FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name", "clip_name1", "clip_name2"
 # Combo inputs whose choices are the files of the user's input folder (LoadImage): the test server's is empty.
 INPUT_FOLDER_INPUTS = {"image"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+# ComfyUI v0.33.0's combo whose choice brings inputs of its own (SaveVideo's format and codec): a widget whose
+# value is one of its options' keys.
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
 # Where the front end's missing-models dialog downloads from, and the files it takes.
 DOWNLOAD_SOURCES = ("https://huggingface.co/", "https://civitai.com/")
 DOWNLOAD_SUFFIXES = (".safetensors", ".sft")
@@ -101,7 +104,8 @@ def options(spec: list) -> dict:
 
 
 def is_widget(spec: list) -> bool:
-    return (isinstance(spec[0], list) or spec[0] in WIDGET_TYPES) and not options(spec).get("forceInput")
+    return ((isinstance(spec[0], list) or spec[0] in WIDGET_TYPES | {DYNAMIC_COMBO})
+            and not options(spec).get("forceInput"))
 
 
 def widget_slots(name: str, spec: list) -> int:
@@ -119,6 +123,8 @@ def value_problems(where: str, name: str, spec: list, value) -> list[str]:
     """Why ``value`` would not pass the server's validation of input ``name`` (empty list: it would)."""
     kind, opts = spec[0], options(spec)
     choices = kind if isinstance(kind, list) else opts.get("options") if kind == "COMBO" else None
+    if kind == DYNAMIC_COMBO:
+        choices = [option["key"] for option in opts.get("options", [])]
     if choices is not None:
         if name in FILE_INPUTS | INPUT_FOLDER_INPUTS or value in choices:
             return []
@@ -192,6 +198,11 @@ def ui_to_api(workflow: dict, info: dict) -> tuple[dict, list[str]]:
         widgets = [(name, spec) for name, spec in declared_inputs(info[class_type]) if is_widget(spec)]
         values = list(node.get("widgets_values", []))
         expected = sum(widget_slots(name, spec) for name, spec in widgets)
+        # A workflow saved by an older tree lacks the optional widgets a later tree added after its own (v0.33.0's
+        # CreateVideo bit_depth): the front end keeps their defaults, the server takes them as absent.
+        required = info[class_type]["input"].get("required", {})
+        while widgets and len(values) < expected and widgets[-1][0] not in required:
+            expected -= widget_slots(*widgets.pop())
         if len(values) != expected:
             problems.append(f"{where}: {len(values)} widgets_values, the widgets "
                             f"{[name for name, _ in widgets]} take {expected}")

@@ -278,8 +278,10 @@ def timed_runs(client, graph: dict, seed: int, repeats: int) -> tuple[dict, dict
 
 
 def attention_line(log: Path) -> str:
-    """ComfyUI's own log line naming the cross-attention backend it picked."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+    """ComfyUI's own log line naming the cross-attention backend it picked, without the colour codes and
+    level tag ComfyUI v0.33.0 puts before it ("\x1b[32m[INFO]\x1b[0m Using pytorch attention")."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))
+    lines = [re.sub(r"^\[[A-Z]+\]\s*", "", line.strip()) for line in text.splitlines()
              if re.search(r"cross attention|Using .*attention", line)]
     return lines[0] if lines else "(ComfyUI did not log its attention backend)"
 

@@ -271,6 +271,9 @@ def load(path: Path, dtype: torch.dtype = torch.float32):
     meta = read_metadata(path)
     model = build(meta["arch"], meta["unet_config"], dtype=dtype)
     sd = safetensors.torch.load_file(str(path))
+    # As ComfyUI loads a checkpoint: the tree's own key conversion first (ComfyUI v0.33.0 names Flux's
+    # RMSNorm scale "weight"; the proxies were saved by trees that name it "scale").
+    sd = model.model.model_config.process_unet_state_dict(sd)
     model.model.diffusion_model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
     return model
 

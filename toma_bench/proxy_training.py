@@ -192,16 +192,26 @@ IN_PLACE_RESIDUAL_NORMS = ("pre_norm", "txt_norm1", "txt_norm2", "img_norm1", "i
 @contextlib.contextmanager
 def trainable(dm: torch.nn.Module):
     """While active, ``dm`` can be trained: the IN_PLACE_RESIDUAL_NORMS see copies (no parameters
-    move, the outputs are the same)."""
+    move, the outputs are the same), and where the tree has the flag (ComfyUI v0.33.0), ComfyUI is told it
+    trains (``model_management.in_training``: its RoPE takes the torch path, comfy-kitchen's kernel has no
+    backward)."""
+    import comfy.model_management as mm
+
     swapped = [(block, name, getattr(block, name)) for block in dm.modules() for name in IN_PLACE_RESIDUAL_NORMS
                if isinstance(getattr(block, name, None), torch.nn.Module)]
     for block, name, norm in swapped:
         setattr(block, name, CopyInput(norm))
+    flagged = hasattr(mm, "in_training")
+    before = getattr(mm, "in_training", None)
+    if flagged:
+        mm.in_training = True
     try:
         yield dm
     finally:
         for block, name, norm in swapped:
             setattr(block, name, norm)
+        if flagged:
+            mm.in_training = before
 
 
 def learning_rate(step: int, steps: int, peak: float) -> float:
@@ -225,7 +235,9 @@ def train(arch: str, config: dict, steps: int, batch: int, lr: float, seed: int 
     else:
         model = build(arch, config, seed, zero_outputs=True)
     dm = model.model.diffusion_model
-    params = [p for p in dm.parameters() if p.requires_grad]
+    params = list(dm.parameters())
+    for p in params:  # ComfyUI v0.33.0's ops make inference-only parameters (requires_grad False)
+        p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     images = source_images(TRAIN_IMAGES)
