@@ -21,3 +21,11 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 "$py" -m pip freeze 2>/dev/null | grep -iE '^(torch|torchvision|torchaudio)==' > "$constraints"
 "$py" -m pip install -q -c "$constraints" -r "$root/tests/requirements-wanvideowrapper.txt"
+
+# comfy-kitchen's eager sol_attn reference (0.2.40), which tests/test_sparse_attention.py reads from the wheel (the
+# tree pins an older comfy-kitchen, which stays installed): downloaded into .cache where the package index answers,
+# else that test skips with the reason.
+if ! ls "$root/.cache"/comfy_kitchen-0.2.4*.whl > /dev/null 2>&1; then
+  "$py" -m pip download -q comfy-kitchen==0.2.40 --no-deps -d "$root/.cache" \
+    || echo "[setup-2026] comfy-kitchen 0.2.40 not downloaded: test_sparse_attention's eager Sol-Attn test will skip"
+fi
