@@ -235,7 +235,9 @@ class WanModelHooks:
     def __init__(self, dm):
         self.model, self.blocks, self.patch_size = dm, dm.blocks, tuple(dm.patch_size)
         self.previous = dm.forward  # the forward it wraps (the class's, or another instance-level one)
-        self.signature = inspect.signature(self.previous)
+        # the arguments are bound as the WanModel's own forward takes them (what ``unsupported`` checked): a forward
+        # wrapped before the node may take (*args, **kwargs)
+        self.signature = inspect.signature(type(dm).forward.__get__(dm))
         self.patches = weakref.WeakValueDictionary()  # number -> WrapperPatch
         self.active: ActiveCall | None = None  # the merging model call under way
 

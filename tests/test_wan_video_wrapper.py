@@ -7,6 +7,7 @@ tests/requirements-wanvideowrapper.txt (tests/setup_2026.sh installs them).
 The stand-in tests at the end run everywhere: a WanModel of the signatures the node relies on, and the same with
 each of them renamed (what a change of the wrapper would look like), which the node must refuse, saying what.
 """
+import copy
 import functools
 import importlib.util
 import inspect
@@ -135,6 +136,167 @@ def test_with_the_wrappers_teacache(wrapper, node, caplog):
     assert 1 <= len(ran) < 4  # TeaCache did skip steps, and some ran
     (stats,) = report_of(patched).levels.values()
     assert stats.steps == ran
+
+
+def mag_cache(wrapper, model):
+    """MagCache skipping steps 2 and 3 of 5 (calls in its range after the first, while the error accumulated from the
+    magnitude ratios stays under the threshold, at most K in a row): the tiny model has no calibrated ratios (the
+    loader sets a checkpoint's), so it gets a constant one."""
+    model.model.diffusion_model.magcache_ratios = [0.99] * 100  # read at step * (len / 2) / total_steps (50)
+    return wrapper.node("WanVideoMagCache").setargs(magcache_thresh=0.05, magcache_K=2, start_step=1, end_step=-1,
+                                                    cache_device="main_device")[0]
+
+
+def easy_cache(wrapper, model):
+    """EasyCache skipping while the latent's accumulated relative change stays under the threshold."""
+    return wrapper.node("WanVideoEasyCache").setargs(easycache_thresh=0.05, start_step=1, end_step=-1,
+                                                     cache_device="main_device")[0]
+
+
+@pytest.mark.parametrize("name,cache", [("MagCache", mag_cache), ("EasyCache", easy_cache)])
+def test_with_the_wrappers_magcache_and_easycache(wrapper, node, caplog, name, cache):
+    """MagCache and EasyCache skip the blocks of whole model calls inside WanModel.forward, as TeaCache does (the
+    sampler's cache report logs the skipped steps per prediction): ToMA merges exactly the steps whose blocks ran."""
+    model = ww.tiny_model(wrapper)
+    cache_args = cache(wrapper, model)
+    (patched,) = node.patch(model, 0.5, 0, 5)
+    steps = 5
+    with caplog.at_level(logging.INFO):
+        out = ww.sample(wrapper, patched, steps=steps, cache_args=cache_args)
+    skipped = [set(map(int, re.findall(r"\d+", r.message.split("steps:")[1])))
+               for r in caplog.records if f"{name} skipped:" in r.message]
+    assert len(skipped) == 2  # cond and uncond
+    ran = set(range(steps)) - (skipped[0] & skipped[1])
+    assert 1 <= len(ran) < steps  # the cache did skip steps, and some ran
+    assert torch.isfinite(out).all()
+    (stats,) = report_of(patched).levels.values()
+    assert stats.steps == ran and stats.merged_tokens == MERGED
+
+
+def recorded_calls(model) -> list:
+    """The keyword arguments of every WanModel.forward call of ``model``, recorded by a generic (*args, **kwargs)
+    instance-level forward installed before the node (which wraps it, as it would any other extension's)."""
+    dm = model.model.diffusion_model
+    calls = []
+
+    def recorder(*args, **kwargs):
+        calls.append(dict(kwargs))
+        return type(dm).forward(dm, *args, **kwargs)
+
+    dm.forward = recorder
+    return calls
+
+
+def relative(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_a_forward_wrapped_before_the_node_still_merges(wrapper, node):
+    """The node binds a call's arguments as the WanModel's own forward takes them, not as a wrapper installed on
+    the model before it does (here one of (*args, **kwargs))."""
+    model = ww.tiny_model(wrapper)
+    (reference,) = node.patch(model, 0.5, 0, 5)
+    expected = ww.sample(wrapper, reference)
+    wrapped = ww.tiny_model(wrapper)
+    calls = recorded_calls(wrapped)
+    (patched,) = node.patch(wrapped, 0.5, 0, 5)
+    assert torch.equal(ww.sample(wrapper, patched), expected)
+    assert len(calls) == 3 * 2
+    (stats,) = report_of(patched).levels.values()
+    assert stats.merged_tokens == MERGED and stats.steps == {call["current_step"] for call in calls}
+
+
+def test_batched_cfg_merges_cond_and_uncond_in_one_call(wrapper, node):
+    """Batched CFG: cond and uncond in one WanModel.forward call of batch 2 (two latents, both prompts). The
+    sampler's own batched_cfg path fails in the wrapper's code with or without the node (it concatenates a t2v
+    model's clip_fea of None and passes is_uncond twice), so the test makes the call it means to make, from the
+    arguments of a real step's cond and uncond calls, in a run of its own: it merges with a plan per batch entry,
+    each as the unbatched ToMA call's."""
+    model = ww.tiny_model(wrapper)
+    calls = recorded_calls(model)
+    (patched,) = node.patch(model, 0.5, 0, 5)
+    ww.sample(wrapper, patched, steps=1)  # loads the weights and records the step's calls
+    cond, uncond = calls
+    dm = model.model.diffusion_model
+
+    def run(arguments, merging=True):  # a run of its own (the sampler deep-copies the options per run)
+        options = copy.deepcopy(patched.model_options["transformer_options"]) if merging else {}
+        return dm.forward(**dict(arguments, transformer_options=options, pred_id=None))[0]
+
+    batched = dict(cond, x=cond["x"] * 2, context=cond["context"] + uncond["context"])
+    with torch.no_grad():
+        (merged_cond,), (merged_uncond,) = run(cond), run(uncond)
+        merged_batched = run(batched)
+        report = report_of(patched)
+        plain_batched = run(batched, merging=False)
+    assert len(merged_batched) == 2
+    for out, alone, plain in zip(merged_batched, (merged_cond, merged_uncond), plain_batched):
+        assert relative(out, alone) < 1e-4 and relative(out, plain) > 0
+    assert {key.rows for key in report.plans} == {(2, ("cond+uncond", 0))}
+    (stats,) = report.levels.values()
+    assert (stats.merged_tokens, stats.steps) == (MERGED, {0}) and report.unmerged == {}
+
+
+def tiny_lora(path: Path, rank: int = 4) -> Path:
+    """A seeded random LoRA (lora_A/lora_B) on every block's self-attention q, k, v and o, as a safetensors file."""
+    from safetensors.torch import save_file
+
+    config = ww.TinyConfig()
+    generator = torch.Generator().manual_seed(5)
+    sd = {}
+    for block, name in itertools.product(range(config.layers), "qkvo"):
+        prefix = f"diffusion_model.blocks.{block}.self_attn.{name}"
+        sd[f"{prefix}.lora_A.weight"] = 0.1 * torch.randn(rank, config.dim, generator=generator)
+        sd[f"{prefix}.lora_B.weight"] = 0.1 * torch.randn(config.dim, rank, generator=generator)
+    save_file(sd, str(path))
+    return path
+
+
+def test_on_a_lora_model(wrapper, node, tmp_path):
+    """The wrapper's unmerged LoRAs (WanVideoLoraSelect with merge_loras off, WanVideoSetLoRAs): the sampler
+    replaces the blocks' Linear layers by its CustomLinear applying the LoRA on the fly. Ratio 0 is the LoRA model
+    bit for bit; merging, the LoRA still acts (in q, k, v and the o the node's proportional attention applies)."""
+    loras = wrapper.node("WanVideoLoraSelect").getlorapath(lora=str(tiny_lora(tmp_path / "tiny_lora.safetensors")),
+                                                           strength=1.0, unique_id=None, merge_loras=False)[0]
+    model = ww.tiny_model(wrapper)
+    lora_model = wrapper.node("WanVideoSetLoRAs").setlora(model, loras)[0]
+    assert lora_model.patches
+    plain = ww.sample(wrapper, model)
+    base = ww.sample(wrapper, lora_model)
+    assert not torch.equal(base, plain)
+    (zero,) = node.patch(lora_model, 0.0, 0, 5)
+    assert torch.equal(ww.sample(wrapper, zero), base)
+    (patched,) = node.patch(lora_model, 0.5, 0, 5)
+    out = ww.sample(wrapper, patched)
+    assert 0 < relative(out, base) < relative(base, plain)  # closer to the LoRA model than the LoRA is to the plain
+    (stats,) = report_of(patched).levels.values()
+    assert stats.merged_tokens == MERGED and len(stats.steps) == 3
+
+
+@pytest.mark.parametrize("end_percent", [1.0, 0.5])
+def test_phantom_reference_frames_run_unmerged_and_are_named(wrapper, pack, node, end_percent):
+    """Phantom (WanVideoPhantomEmbeds): the calls given its subject frames (phantom_ref: cond, uncond and the
+    phantom CFG pass) run unmerged, each counted per merged block under the input's name; calls past its
+    end_percent merge. With Phantom on every step the result is the model's without the node."""
+    reference = {"samples": torch.randn(1, 16, 1, 8, 8, generator=torch.Generator().manual_seed(3))}
+    embeds = wrapper.node("WanVideoPhantomEmbeds").process(num_frames=9, phantom_cfg_scale=5.0,
+                                                           phantom_start_percent=0.0, phantom_end_percent=end_percent,
+                                                           phantom_latent_1=reference)[0]
+    model = ww.tiny_model(wrapper)
+    calls = recorded_calls(model)
+    base = ww.sample(wrapper, model, steps=4, image_embeds=embeds)
+    calls.clear()
+    (patched,) = node.patch(model, 0.5, 0, 5)
+    out = ww.sample(wrapper, patched, steps=4, image_embeds=embeds)
+    given = [call["current_step"] for call in calls if call.get("phantom_ref") is not None]
+    without = {call["current_step"] for call in calls} - set(given)
+    assert given and (without if end_percent < 1 else not without)
+    report = report_of(patched)
+    name = f"{pack.nodes.wan_video_wrapper.UNMERGED_INPUTS['phantom_ref']} (phantom_ref)"
+    assert report.unmerged == {name: len(patch_of(patched).blocks) * len(given)}
+    assert {step for stats in report.levels.values() for step in stats.steps} == without
+    if not without:
+        assert torch.equal(out, base) and not report.levels
 
 
 def test_with_the_wrappers_block_swap(wrapper, node):
