@@ -442,7 +442,7 @@ class ToMAWanVideoWrapper:
     DESCRIPTION = ("ToMA token merging for kijai's ComfyUI-WanVideoWrapper (WANVIDEOMODEL in and out, between its "
                    "model loader and WanVideoSampler): in every block but the first ~13%, the keys and values of the "
                    "self-attention come from merged video tokens, in windows over frames; queries stay whole, so "
-                   "nothing is unmerged. The video default of the native nodes (ratio 0.75, a plan per block, "
+                   "nothing is unmerged. The video default of the native nodes (ratio 0.9, a plan per block, "
                    "proportional attention); runs of at most 8 steps build a new plan every step. Composes with the "
                    "wrapper's TeaCache, MagCache, EasyCache, block swap and per-block torch.compile; inputs whose "
                    "tokens it does not merge yet (Phantom, FantasyTalking, MultiTalk, Stand-In, radial or UltraViCo "
