@@ -29,7 +29,8 @@ API_FILES = sorted(p.name for p in server.WORKFLOWS.glob("*_api.json"))
 FLUX_ERA_NODES = {"UNETLoader", "DualCLIPLoader", "FluxGuidance", "EmptySD3LatentImage"}
 # kijai's ComfyUI-WanVideoWrapper is another custom node pack, which the test server does not have: its nodes in a
 # shipped workflow (wanvideowrapper_*) are left out there, as Flux's in a tree without Flux; ours and ComfyUI's in
-# the same graph are checked like any other.
+# the same graph are checked like any other. tests/test_wanvideowrapper_workflow.py checks them all, against a
+# server that has the wrapper installed.
 WRAPPER_PACK = ("WanVideo", "LoadWanVideo")
 # Combo inputs whose choices are the user's model files: the test server has none of them.
 FILE_INPUTS = {"ckpt_name", "unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name"}
@@ -87,7 +88,8 @@ def object_info(served):
 
 
 def checked_types(info: dict) -> callable:
-    """Predicate: is a node of this class checked against this tree (see FLUX_ERA_NODES, WRAPPER_PACK)?"""
+    """Predicate: is a node of this class checked against this tree (see FLUX_ERA_NODES, WRAPPER_PACK)? The
+    checks below take another as ``checked`` (tests/test_wanvideowrapper_workflow.py checks every node)."""
     has_flux = "FluxGuidance" in info
     return lambda class_type: ((has_flux or class_type not in FLUX_ERA_NODES)
                                and (class_type in info or not class_type.startswith(WRAPPER_PACK)))
@@ -139,9 +141,9 @@ def value_problems(where: str, name: str, spec: list, value) -> list[str]:
     return []
 
 
-def api_problems(graph: dict, info: dict) -> list[str]:
+def api_problems(graph: dict, info: dict, checked=None) -> list[str]:
     """Everything in an API-format graph that the server's /object_info says is wrong."""
-    checked = checked_types(info)
+    checked = checked or checked_types(info)
     problems = []
     for node_id, node in graph.items():
         class_type = node["class_type"]
@@ -182,10 +184,10 @@ def link_problems(where, name, spec, link, graph, info, checked) -> list[str]:
     return []
 
 
-def ui_to_api(workflow: dict, info: dict) -> tuple[dict, list[str]]:
+def ui_to_api(workflow: dict, info: dict, checked=None) -> tuple[dict, list[str]]:
     """Convert a UI workflow the way the front end does (widgets_values mapped to the widget inputs in
     /object_info order, links by slot); returns (API graph, problems found on the way)."""
-    checked = checked_types(info)
+    checked = checked or checked_types(info)
     links = {link[0]: link for link in workflow["links"]}
     graph, problems = {}, []
     for node in workflow["nodes"]:
@@ -222,9 +224,9 @@ def ui_to_api(workflow: dict, info: dict) -> tuple[dict, list[str]]:
     return graph, problems
 
 
-def ui_link_problems(workflow: dict, info: dict) -> list[str]:
+def ui_link_problems(workflow: dict, info: dict, checked=None) -> list[str]:
     """Links table vs the nodes' own inputs/outputs lists and the output types of /object_info."""
-    checked = checked_types(info)
+    checked = checked or checked_types(info)
     nodes = {node["id"]: node for node in workflow["nodes"]}
     problems = []
     for link_id, source, slot, target, target_slot, kind in workflow["links"]:
