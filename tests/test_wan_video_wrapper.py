@@ -23,6 +23,7 @@ import torch
 
 from toma_bench import wanvideo_wrapper as ww
 from toma_bench.compiling import DynamoCount
+from toma_bench.metrics import relative_l2
 
 MIRRORS_2026 = ("wanvideowrapper", "wanvideowrapper-2026-02")
 NODE = "ToMAWanVideoWrapper"
@@ -95,7 +96,7 @@ def test_half_ratio_merges_keys_and_values_and_stays_close(wrapper, node, attent
     assert all(queries == TOKENS for queries, _ in attention_calls)
     # block 0 of 4 never merges (5/38 of them, rounded); blocks 1-3 see the merged keys
     assert sorted(self_attention) == sorted([TOKENS] * model_calls + [MERGED] * 3 * model_calls)
-    change = ((out - base).norm() / base.norm()).item()
+    change = relative_l2(out, base)
     assert 0 < change < 0.05
     report = report_of(patched)
     (level,) = report.levels
@@ -187,10 +188,6 @@ def recorded_calls(model) -> list:
     return calls
 
 
-def relative(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 def test_a_forward_wrapped_before_the_node_still_merges(wrapper, node):
     """The node binds a call's arguments as the WanModel's own forward takes them, not as a wrapper installed on
     the model before it does (here one of (*args, **kwargs))."""
@@ -231,7 +228,7 @@ def test_batched_cfg_merges_cond_and_uncond_in_one_call(wrapper, node):
         plain_batched = run(batched, merging=False)
     assert len(merged_batched) == 2
     for out, alone, plain in zip(merged_batched, (merged_cond, merged_uncond), plain_batched):
-        assert relative(out, alone) < 1e-4 and relative(out, plain) > 0
+        assert relative_l2(out, alone) < 1e-4 and relative_l2(out, plain) > 0
     assert {key.rows for key in report.plans} == {(2, ("cond+uncond", 0))}
     (stats,) = report.levels.values()
     assert (stats.merged_tokens, stats.steps) == (MERGED, {0}) and report.unmerged == {}
@@ -268,7 +265,7 @@ def test_on_a_lora_model(wrapper, node, tmp_path):
     assert torch.equal(ww.sample(wrapper, zero), base)
     (patched,) = node.patch(lora_model, 0.5, 0, 5)
     out = ww.sample(wrapper, patched)
-    assert 0 < relative(out, base) < relative(base, plain)  # closer to the LoRA model than the LoRA is to the plain
+    assert 0 < relative_l2(out, base) < relative_l2(base, plain)  # closer to the LoRA model than the LoRA is to the plain
     (stats,) = report_of(patched).levels.values()
     assert stats.merged_tokens == MERGED and len(stats.steps) == 3
 
