@@ -438,17 +438,19 @@ BREAKS_OUTSIDE_BLOCKS = {"minimax_h3": "MiniMax-H3's forward reads its timestep 
 def check_feed_forward_steps_aside_under_compile(pack, row, model):
     """Scope feed-forward does not merge under torch.compile (compiled, its submodules did not see the block
     call's merge in ComfyUI v0.3.64): compiled it runs every block unmerged, as the unpatched model compiles,
-    counted under its reason; eager it merges."""
+    in one graph, counted under its reason; eager it merges."""
     from toma_bench import compiling
     patched, runtime = dit_checks.toma_patched(pack, model, scope="feed-forward")
     run = lambda m: sample(row, m, steps=2)
     with compiling.constant_free_memory():
         assert relative_l2(run(patched), run(model)) > 1e-4  # eager: merged
         assert not runtime.report().unmerged
-        out = run(compiling.compiled(patched, backend="eager"))
+        with compiling.counting() as count:
+            out = run(compiling.compiled(patched, backend="eager"))
         reference = run(compiling.compiled(model, backend="eager"))
     reason = pack.nodes.adapters.dit.FEED_FORWARD_COMPILED
     assert runtime.report().unmerged.get(reason, 0) > 0, runtime.report().unmerged
+    assert count.clean() and count.graphs == 1, str(count)
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 

@@ -49,6 +49,7 @@ class ModelCall:
         self.built: list = []  # (Level, plan) built in this call, for the merge map
         self.shared: dict = {}  # (Level, rows) -> destinations a level's first block chose in this call
         self.unmerged: dict = {}  # reason -> block calls of this call run unmerged (MergeRuntime.unmerged)
+        self.notices: dict = {}  # reason -> (message, args) of its first block call here, logged after the call
 
 
 def compiled_model(apply_model, transformer_options) -> bool:
@@ -103,11 +104,13 @@ class MergeRuntime:
         # runtime, or resets and stats reach a stale copy.
         return self
 
-    def notice(self, message: str, *args) -> None:
-        """Log ``message`` once per patched model (a block call repeats it every step otherwise)."""
-        if message in self.notices:
+    def notice(self, message: str, *args, key=None) -> None:
+        """Log ``message`` once per patched model (a block call repeats it every step otherwise); once per
+        ``key`` where given (default: the message)."""
+        key = message if key is None else key
+        if key in self.notices:
             return
-        self.notices.add(message)
+        self.notices.add(key)
         log.warning("ToMA: " + message, *args)
 
     def unmerged(self, reason: str, message: str, *args) -> None:
@@ -115,15 +118,16 @@ class MergeRuntime:
         words: the key of the run report's ``unmerged``), and log ``message % args`` (saying that it runs
         unmerged, and why) the first time the patched model meets that reason. A host-side count, no tensor
         read: safe in a model call."""
-        # counted in the model call under way, added to the run's counts after it: a count read and
-        # written in a block call would be a guard of a compiled graph that fails on every call
-        counts = self._call.unmerged if self._call is not None else self._unmerged
-        counts[reason] = counts.get(reason, 0) + 1
         self._unreported = True  # a run whose blocks all ran unmerged still reports why
-        key = ("unmerged", reason)
-        if key not in self.notices:
-            self.notices.add(key)
-            log.warning("ToMA: " + message, *args)
+        if self._call is None:
+            self._unmerged[reason] = self._unmerged.get(reason, 0) + 1
+            self.notice(message, *args, key=("unmerged", reason))
+            return
+        # counted and its notice kept in the model call under way, both handed on after it (end_call): the
+        # run's counts and the notices said so far, read or written in a block call, would be guards of a
+        # compiled graph that fail on later calls, and a log call there breaks the graph
+        self._call.unmerged[reason] = self._call.unmerged.get(reason, 0) + 1
+        self._call.notices.setdefault(reason, (message, args))
 
     def caveat(self, message: str) -> None:
         """Log ``message`` once and keep it for every later run's stats: something the node asks for that this
@@ -320,13 +324,15 @@ class MergeRuntime:
             self._keys.append(key)
         for reason, count in call.unmerged.items():
             self._unmerged[reason] = self._unmerged.get(reason, 0) + count
+        for reason, (message, args) in call.notices.items():
+            self.notice(message, *args, key=("unmerged", reason))
         for level, merged in call.merged.items():
             stats = self._levels.setdefault(level, LevelStats())
             stats.tokens, stats.merged_tokens = level.tokens, merged
             stats.steps.add(call.where.step)
         for level, plan in call.built:
             self.record(level, call.where.step, plan)
-        call.merged, call.built, call.first_seen, call.unmerged = {}, [], [], {}
+        call.merged, call.built, call.first_seen, call.unmerged, call.notices = {}, [], [], {}, {}
 
     def _loose_call(self, transformer_options) -> ModelCall | None:
         """The ModelCall of a block call no host hook announced (a model called outside ComfyUI's sampler,
