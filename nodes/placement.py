@@ -64,7 +64,8 @@ def resolve(scope: str, family: str, honoured: tuple, auto: str) -> str:
 class Preset:
     """What the basic node, and the Advanced node's scope "auto", use on one kind of model: the placement
     and the fidelity fixes that go with it, chosen from the speed-vs-fidelity fronts on the GPU clock
-    (docs/benchmarks.md, "The defaults, and why", names the row each one came from). ``levels``,
+    (docs/benchmarks.md, "The defaults, and why", names the row each one came from; docs/figures.json holds
+    each kind's figures). ``levels``,
     ``weights_interval``, ``start_percent`` and ``merge_every`` are the basic node's; the Advanced node
     shows them as inputs of its own. ``short_run``: how both nodes' schedule changes in runs of few steps
     (distilled models; None: it does not). ``ratio`` and ``window_size`` are what the ratio's -1 and the window's
@@ -88,26 +89,26 @@ KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image Di
 
 # Kinds of model: UNets with attention at full resolution (SD1.x/SD2.x), UNets without (SDXL), image
 # DiTs, video DiTs (toma_nodes.preset_of: the UNet adapter's preset_kind(model), a DiT declaration's video).
+# Each is the best point found on the speed-vs-fidelity fronts (the GPU clock of the real-size model, the
+# PSNR of a trained proxy of the same layout); its figures, with the commands that printed them, are in
+# docs/figures.json under the kind's key (tests/test_figures.py keeps its ratio and scope equal to these).
 PRESETS = {
     # keys/values at window 8 with per-block weights to the level's destinations and proportional attention:
-    # at ratio 0.75, 39.3 dB at 10.1% of SD1.5's FLOPs saved, where ComfyUI's ToMe r=0.75 keeps 37.8 dB at 9.6%
+    # queries stay whole, so little of the picture changes; shared destinations and weights every 5 steps
+    # keep the per-block plans' fidelity at a fraction of their kernels
     "sd1": Preset(KEYS_VALUES, plan_per_block=True, shared_destinations=True, proportional=True, weights_interval=5,
                   window_size=8),
-    # attention at 1/2 and 1/4, the first 25% of the schedule unmerged, weights refreshed with the
-    # destinations (every 5 steps), ratio 0.85: on the H200 clock of 2026-12-04 (Hopper fitted to published
-    # SDXL step times) 1.10x under ComfyUI's compile node and 0.97x eager, 32.07 dB on the SDXL proxy, where
-    # ratio 0.75 gave 1.09x, 0.97x and 31.57 dB (docs/benchmarks.md, "Compile as ComfyUI compiles")
+    # attention at 1/2 and 1/4 (SDXL has no attention at full resolution), the first 25% of the schedule
+    # unmerged to keep the composition, weights refreshed with the destinations (every 5 steps); ratio 0.85
+    # is both faster and closer to unpatched than 0.75 on the clock fitted to published SDXL step times
     "sdxl": Preset(ATTENTION, ratio=0.85, levels="auto+next", start_percent=0.25, weights_interval=5),
-    # whole blocks on every step at ratio 0.5: FLUX.1-dev 1024 1.48x eager and 1.62x graph-replayed on the
-    # H200 clock that prices the host (25 us per op), 21.96 dB on the Flux proxy at FLUX's 64x64 tokens; the
-    # earlier default (ratio 0.75 from 40% of the schedule) kept 23.02 dB but only 1.37x eager. In runs of up
-    # to 8 steps a new plan every step (docs/benchmarks.md, "The defaults, and why")
+    # whole blocks on every step at ratio 0.5: on the clock that prices the host, a merged step pays for
+    # ToMA's kernels, so merging every step at a lower ratio is faster eager than merging a later part of
+    # the schedule at a higher one. In runs of up to 8 steps a new plan every step
     "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1)),
     # keys and values of the self-attention (queries whole, nothing to unmerge), each merged key its group's
-    # average, each block its own plan, proportional attention, every step, ratio 0.9: Wan 2.1 14B 720p 2.52x
-    # on the clock that prices the host (15 steps; the earlier default, whole blocks on one step in 2, 1.71x);
-    # on the Wan proxy 20.99 dB on 4 clips of 4 frames (the earlier default 21.29: 0.30 dB short) and more
-    # than the earlier default at 8 frames (docs/benchmarks.md, "Merged keys: the video default"). In runs
+    # average, each block its own plan, proportional attention, every step, ratio 0.9: video is GPU-bound, so
+    # the saved attention is the speed-up, and with merged keys a higher ratio costs little fidelity. In runs
     # of up to 8 steps a new plan every step
     "video": Preset(KEYS_VALUES, ratio=0.9, plan_per_block=True, proportional=True,
                     short_run=ShortRun(8, reuse_interval=1)),

@@ -24,7 +24,7 @@ AUTO_RATIO = -1.0  # the ratio input's "auto": the model kind's ratio (placement
 DEFAULT_RATIO = AUTO_RATIO
 DEFAULT_WINDOW = 0  # auto: the model kind's window (placement.PRESETS)
 DEFAULT_REUSE = 5
-DEFAULT_TEMPORAL_WINDOW = 2  # docs/benchmarks.md, "Windows over video frames"
+DEFAULT_TEMPORAL_WINDOW = 2  # docs/notebook.md, "Windows over video frames"
 
 
 def model_sampling_of(model):
@@ -89,7 +89,7 @@ RATIO_INPUT = _float(DEFAULT_RATIO, AUTO_RATIO, 0.9, 0.05,
                      "Fraction of image tokens removed before attention. 0 = off (output identical to the "
                      "unpatched model); -1 = auto, the default: the ratio that goes with the model kind's "
                      "placement (" + ", ".join(f"{r:g} on {kinds}" for r, kinds in placement.values_in_words("ratio"))
-                     + "; README: Defaults per kind of model); higher saves more and costs more of the picture.")
+                     + "; README: What to expect); higher saves more and costs more of the picture.")
 WINDOW_INPUT = _int(DEFAULT_WINDOW, 0, 32,
                     "Side, in tokens, of the local square window inside which destinations are chosen and "
                     "tokens merged. Small windows keep merges local and selection cheap. 0 = auto: the "

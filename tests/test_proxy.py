@@ -276,7 +276,7 @@ def test_shipped_sdxl_layout_proxy_denoises_and_samples(comfy):
     assert model.model.model_config.unet_config["transformer_depth"] == proxy.SDXL_PROXY["transformer_depth"]
     check_shipped(model, "sdxl", max_ratio=0.5)
     # at its training size (16x16 latents at 1/4 hold little) and the steps `proxy check` samples with; its
-    # samples keep a fine two-pixel grain (docs/benchmarks.md shows them), about 45% of noise's variation
+    # samples keep a fine two-pixel grain (docs/notebook.md shows them), about 45% of noise's variation
     check_samples(model, side=proxy.SPECS["sdxl"].side, steps=20, max_tv=0.5)
 
 

@@ -1,12 +1,12 @@
 """The family lists outside the code, generated from the registry (each DiT declaration's ``names`` and
-``video`` flag, nodes/adapters/families.py): the help pages' ``model`` rows (between FAMILIES markers)
-and pyproject.toml's description. Adding a family changes them here, not by hand:
+``video`` flag, nodes/adapters/families.py): the README's "Models served" and the help pages' ``model``
+rows (between FAMILIES markers), and pyproject.toml's description. Adding a family changes them here, not by hand:
 
     python -m toma_bench.family_lists --write   # rewrite the generated spans
     python -m toma_bench.family_lists           # exit 1, naming the files that are out of date
 
-tests/test_family_lists.py checks the files equal what this writes. The README's table is written by
-hand (each row says what merges) and checked there against the registry.
+tests/test_family_lists.py checks the files equal what this writes. The table of docs/models.md is written
+by hand (each row says what merges) and checked there against the registry.
 """
 import argparse
 import re
@@ -18,6 +18,7 @@ from . import comfy_host
 REPO = Path(__file__).resolve().parent.parent
 HELP_PAGES = [REPO / "web" / "docs" / f"{page}.md" for page in
               ("ToMAPatchModel", "ToMAPatchModel/en", "ToMAPatchModelAdvanced", "ToMAPatchModelAdvanced/en")]
+PAGES = [REPO / "README.md", *HELP_PAGES]  # the pages with a FAMILIES span
 PYPROJECT = REPO / "pyproject.toml"
 SPAN = re.compile(r"(<!-- FAMILIES: python -m toma_bench\.family_lists --write -->).*?(<!-- /FAMILIES -->)")
 DESCRIPTION = re.compile(r'^description = ".*"$', re.M)
@@ -32,7 +33,7 @@ def families_in_words(adapters, in_words) -> str:
 def generated(pack) -> dict[Path, str]:
     """{file: its text with the generated spans as the registry makes them}."""
     words = families_in_words(pack.nodes.adapters, pack.nodes.toma_nodes.in_words)
-    out = {page: SPAN.sub(lambda m: f"{m.group(1)}{words}{m.group(2)}", page.read_text()) for page in HELP_PAGES}
+    out = {page: SPAN.sub(lambda m: f"{m.group(1)}{words}{m.group(2)}", page.read_text()) for page in PAGES}
     adapters = pack.nodes.adapters
     description = (f'description = "Token merging for faster diffusion sampling in ComfyUI: ToMA (ICML 2025) for '
                    f'SD1.x/SD2.x/SDXL UNets, image DiTs ({", ".join(adapters.family_names(video=False))}) and video '
@@ -45,7 +46,7 @@ def generated(pack) -> dict[Path, str]:
 def stale(pack) -> list[Path]:
     """The files whose generated spans differ from the registry's (or that lack their markers)."""
     return [path for path, text in generated(pack).items()
-            if text != path.read_text() or (path in HELP_PAGES and not SPAN.search(text))]
+            if text != path.read_text() or (path in PAGES and not SPAN.search(text))]
 
 
 def main(argv=None) -> int:

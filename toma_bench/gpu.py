@@ -4,7 +4,7 @@ real-size SDXL and FLUX.1-dev architectures, in one command on an offline CUDA m
     python -m toma_bench.gpu [--budget-s 420] [--out DIR] [--repeats 5] [--models sdxl,flux] [--hardware h200]
                              [--dry-run | --predict-only]
 
-Run it through the kit (see docs/benchmarks.md): ``bash toma_bench/gpu_kit/prepare.sh`` here, then
+Run it through the kit (see docs/notebook.md, "GPU benchmark in one command"): ``bash toma_bench/gpu_kit/prepare.sh`` here, then
 ``bash .device/run.sh`` on the GPU machine. Results go to ``DIR`` (default ``$OUT``, else
 ``./gpu-results``) as ``gpu_bench.md`` and ``gpu_bench.json``, rewritten after every measured run, so
 what was measured survives a timeout.
@@ -23,7 +23,7 @@ the real sizes, sampled through ComfyUI's own sampler (euler), every variant pat
 First, before anything is measured, the cost model (toma_bench.costmodel) records every variant on the
 meta device exactly as it will run here and writes its predictions, eager and compiled (the regimes of
 toma_bench.gpuclock; "compiled" is inductor with mode None, the host launching every fused kernel, as the
-compile pass below runs it; profile from the GPU's name, else h200; ``--hardware`` chooses). ``--predict-only`` stops there (no GPU needed: docs/benchmarks.md keeps
+compile pass below runs it; profile from the GPU's name, else h200; ``--hardware`` chooses). ``--predict-only`` stops there (no GPU needed: docs/notebook.md keeps
 the kit's predictions, made before any GPU run). After the timed runs, one run of the unpatched model
 and of the node's default under torch.profiler gives kernels per model call, device time per op class
 and host time per aten op; the profile's free parameters (each op class's efficiency, host microseconds
@@ -122,7 +122,7 @@ def sdxl_variants(pack) -> list[Variant]:
                                        m, r, WINDOW, REUSE, scope=scope, levels=levels)[0],
                                    count_syncs=r == 0.5 and (levels, scope) in {("auto", "attention"),
                                                                                ("auto+next", "block")}))
-    # the fidelity fixes' best setting on the SD1.x proxy (docs/benchmarks.md, placements), as a candidate
+    # the fidelity fixes' best setting on the SD1.x proxy (docs/notebook.md, "SD1.x-layout proxy: placements"), as a candidate
     out.append(Variant("ToMA r=0.75 keys/values per block proportional window 8",
                        patch=lambda m: tn.ToMAPatchModelAdvanced().patch(m, 0.75, 8, REUSE, scope="keys/values",
                                                                    plan_per_block=True,

@@ -9,7 +9,7 @@ An adapter offers:
                                              message, when the strategy or the host cannot serve it
 The UNet adapter is a module (unet.py); every DiT family is a declaration (family.DiTFamily) in
 families.py. Adding a DiT family is its row there and in DIT_FAMILIES, its model builder and conformance
-row in the tests, and its README row.
+row in the tests, and its row in docs/models.md.
 """
 from .. import placement
 from . import unet

@@ -84,7 +84,7 @@ SLAB = "sequence-parallel slab"
 # why Wan's slabs step aside at the scopes that merge inside a block: raylight's attention is xfuser's, which takes
 # no attention override (keys/values), and attention over every token exchanges whole slabs (feed-forward); whole
 # blocks lose much more of the picture (the Wan proxy at 8 frames, 2 clips: the video default 24.52 dB, whole
-# blocks r=0.5 18.99 dB, r=0.75 15.57 dB: docs/benchmarks.md, "Sequence parallelism"), so they are asked for
+# blocks r=0.5 18.99 dB, r=0.75 15.57 dB: docs/notebook.md, "Sequence parallelism"), so they are asked for
 SLABS_TAKE_BLOCKS = ("merging slabs takes scope block (whole blocks: xfuser's attention takes no attention override, "
                      "which keys/values needs; whole blocks keep less of the picture, so the Advanced node's scope "
                      "block asks for them)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fills the git-ignored .device/ with the GPU benchmark kit (at most 48 MiB), for a CUDA machine that has
-# Python 3.12, torch and gpu-host-packages.txt but no ComfyUI and no network (docs/benchmarks.md):
+# Python 3.12, torch and gpu-host-packages.txt but no ComfyUI and no network (docs/notebook.md):
 #   .device/comfyui/   ComfyUI's code (its *.py files, without its tests): the current tree from the mirror
 #                      tests/setup_current.sh uses (COMFYUI_MIRROR, default beside this checkout), else the
 #                      pinned .comfyui tree (no Flux: the benchmark then skips Flux with a note)
