@@ -264,3 +264,26 @@ def test_a_unet_comes_back_unpatched_with_a_message(pack, caplog):
         (out,) = pack.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(unet, 0.5)
     assert out is unet
     assert "DiTo is for DiTs" in caplog.text and "unpatched" in caplog.text
+
+
+@node_tests
+@pytest.mark.comfy
+def test_compiles_without_a_graph_break(pack, built):
+    """Under torch.compile (eager backend) the matching in the block call and the reuse trace: no graph
+    break, at most one graph per merge path (a key's first call, a matching after a reduction plan, a
+    reduction), none in a second run, and the eager output."""
+    from toma_bench import compiling
+
+    (patched,) = pack.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(built["flux"], 0.5, 2, 0.5)
+    run = lambda m: sample(m, hw=(16, 16), steps=4, batch=1)  # noqa: E731
+    with compiling.constant_free_memory():
+        eager = run(patched)
+        model = compiling.compiled(patched, backend="eager")
+        with compiling.counting() as first:
+            out = run(model)
+        with compiling.counting(fresh=False) as second:
+            again = run(model)
+    assert first.clean() and first.graphs <= 3, str(first)
+    assert second.graphs == 0 and second.clean(), str(second)
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, out)
