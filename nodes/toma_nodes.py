@@ -7,7 +7,8 @@ supported families.
 """
 import logging
 
-from ..toma_core import CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, ReuseSchedule, ToMA, ToMeSD
+from ..toma_core import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, DiTo,
+                         MatchingSchedule, ReuseSchedule, ToMA, ToMeSD)
 from . import placement
 from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
                        keys_values_families, supported_families, unet)
@@ -324,15 +325,48 @@ class CAToMePatchModel(ModelPatchNode):
         return (apply_strategy(model, strategy, _downsample_levels(max_downsample), unique_id=unique_id),)
 
 
+class DiToPatchModel(ModelPatchNode):
+    DESCRIPTION = ("DiTo, after arXiv 2605.22011 (a reading of its abstract: no code is public; help page and "
+                   "docs/architecture.md list the assumptions): each DiT block runs unmerged at a matching step, "
+                   "matches tokens by the similarity of its own output (ToMeSD's cells and bipartite matching), "
+                   "and merges by that matching over the reduction steps until the next matching step, whole "
+                   "blocks on merged image tokens; a penalty keeps it from merging the same tokens at every "
+                   f"matching. DiTs only ({in_words(family_names(video=False) + family_names(video=True))}); a "
+                   "UNet comes back unpatched.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": MODEL_INPUT,
+                             "ratio": _float(0.5, 0.0, 0.75, 0.05, "Fraction of image tokens merged away at reduction "
+                                             "steps (at most 1 - 1/(2*2): one destination per 2x2 cell); 0 = off."),
+                             "matching_interval": _int(5, 2, 50, "Steps from one matching step to the next: each "
+                                                       "block runs unmerged at a matching step and merges by its "
+                                                       "matching over the steps in between (the paper chooses it by "
+                                                       "its Pair Match Ratio)."),
+                             "penalty": _float(0.5, 0.0, 4.0, 0.05, "Selection-frequency penalty: a token's matching "
+                                               "score is lowered by this much for every earlier matching of the run "
+                                               "that merged it away, so later matchings merge other tokens (0 = off)."),
+                             "seed": TOME_COMMON["seed"]},
+                "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    def patch(self, model, ratio, matching_interval=5, penalty=0.5, seed=0, unique_id=None):
+        check_inputs(DiToPatchModel, ratio=ratio, matching_interval=matching_interval, penalty=penalty, seed=seed)
+        strategy = None if ratio == 0 else DiTo(ratio, penalty, seed=int(seed),
+                                                schedule=MatchingSchedule(int(matching_interval)))
+        return (apply_strategy(model, strategy, scope=placement.BLOCK, unique_id=unique_id),)
+
+
 NODE_CLASS_MAPPINGS = {
     "ToMAPatchModel": ToMAPatchModel,
     "ToMAPatchModelAdvanced": ToMAPatchModelAdvanced,
     "ToMeSDPatchModel": ToMeSDPatchModel,
     "CAToMePatchModel": CAToMePatchModel,
+    "DiToPatchModel": DiToPatchModel,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "ToMAPatchModel": "ToMA Token Merge",
     "ToMAPatchModelAdvanced": "ToMA Token Merge (Advanced)",
     "ToMeSDPatchModel": "ToMeSD Token Merge",
     "CAToMePatchModel": "CA-ToMe Token Merge",
+    "DiToPatchModel": "DiTo Token Merge (after arXiv 2605.22011)",
 }

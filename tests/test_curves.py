@@ -27,7 +27,7 @@ class FakeToMANodes:
     """What the variant builders read of the pack's toma_nodes module (nothing is patched here)."""
 
     DEFAULT_WINDOW, DEFAULT_REUSE = 4, 5
-    ToMAPatchModelAdvanced = ToMeSDPatchModel = CAToMePatchModel = object
+    ToMAPatchModelAdvanced = ToMeSDPatchModel = CAToMePatchModel = DiToPatchModel = object
 
 
 def test_flux_methods_are_both_placements_every_step_and_one_in_three():
@@ -85,6 +85,12 @@ def test_dit_front_offers_keys_values_with_its_fixes_on_images_and_video():
         assert {"ToMA keys/values r=0.75", "ToMA keys/values, proportional r=0.75",
                 "ToMA keys/values, per block, proportional r=0.9",
                 "ToMA keys/values, per block, shared destinations, proportional r=0.9"} <= labels
+
+
+def test_dit_front_puts_dito_and_tomesd_beside_toma_on_images_and_video():
+    for video in (False, True):
+        labels = {v.label for v in curves.dit_front(FakeToMANodes, video=video)}
+        assert {f"DiTo r={r:g}" for r in curves.RATIOS} | {"DiTo, no penalty r=0.5", "ToMeSD (DiT blocks) r=0.5"} <= labels
 
 
 @pytest.mark.parametrize("argv, bad", [

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.server, pytest.mark.comfy]
 CKPT = "toma-test-sd15.safetensors"
 WIDTH, HEIGHT = 128, 96  # latent 16x12: not square, so a swapped axis shows
 STEPS = 2
-PACK_NODES = ("ToMAPatchModel", "ToMAPatchModelAdvanced", "ToMeSDPatchModel", "CAToMePatchModel")
+PACK_NODES = ("ToMAPatchModel", "ToMAPatchModelAdvanced", "ToMeSDPatchModel", "CAToMePatchModel", "DiToPatchModel")
 
 
 @pytest.fixture(scope="module")

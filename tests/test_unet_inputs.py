@@ -48,6 +48,9 @@ BAD_INPUTS = [
     ("CAToMePatchModel", {"threshold": 0.7, "checkpoints": ""}, ["checkpoints", "0", "50"]),
     ("CAToMePatchModel", {"threshold": 0.7, "max_downsample": 16}, ["max_downsample", "1", "8"]),
     ("CAToMePatchModel", {"threshold": 0.7, "seed": 2**31}, ["seed", "0", str(2**31 - 1)]),
+    ("DiToPatchModel", {"ratio": 0.76}, ["ratio", "0.0", "0.75"]),
+    ("DiToPatchModel", {"ratio": 0.5, "matching_interval": 51}, ["matching_interval", "2", "50"]),
+    ("DiToPatchModel", {"ratio": 0.5, "penalty": 4.5}, ["penalty", "0.0", "4.0"]),
 ]
 
 NARROW_SD15 = dict(models.SD15_SMALL, model_channels=32, num_heads=4)
@@ -59,6 +62,7 @@ NODE_INPUTS = {
     "ToMAPatchModelAdvanced": dict(TOMA, scope="block"),
     "ToMeSDPatchModel": {"ratio": 0.5},
     "CAToMePatchModel": {"threshold": 0.7},
+    "DiToPatchModel": {"ratio": 0.5},
 }
 
 

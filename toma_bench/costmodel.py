@@ -7,7 +7,7 @@
 
 CPU only, no weights, about a minute per model. For each model (ComfyUI's own classes at real widths,
 depths and sizes, built on the meta device in bf16) and each variant (the pack's nodes with a setting a
-node can express, ToMeSD, CA-ToMe, ComfyUI's ToMe), one sampling run goes through ComfyUI's sampler with
+node can express, ToMeSD, CA-ToMe, ComfyUI's ToMe; DiTo on Flux and SD3.5), one sampling run goes through ComfyUI's sampler with
 CFG batched as ComfyUI batches it; every aten op of every model call is recorded (toma_bench.oprecord),
 so steps that select destinations and steps that reuse them are weighed as the node's schedule has them;
 the ops are then priced by a hardware profile (toma_bench.gpuclock) in each regime (eager; graph replay;
@@ -270,7 +270,7 @@ class Variant(run.Variant):
 
 def variants_for(name: str, pack) -> list[Variant]:
     """The variants of model ``name``: unpatched, the node's default, the main alternatives a node can
-    express, and the baselines where they apply (UNets)."""
+    express, and the other methods where they apply (ToMeSD, CA-ToMe on UNets; DiTo on Flux and SD3.5)."""
     tn = pack.nodes.toma_nodes
     basic, advanced = tn.ToMAPatchModel(), tn.ToMAPatchModelAdvanced()
     w, reuse = 4, tn.DEFAULT_REUSE  # every row but the node default's names window 4
@@ -305,6 +305,8 @@ def variants_for(name: str, pack) -> list[Variant]:
                                                                    plan_per_block=True, shared_destinations=True,
                                                                    proportional_attention=True)[0]))
     out.append(Variant("ToMA r=0.5 merge_every 3", patch=lambda m: advanced.patch(m, 0.5, w, reuse, merge_every=3)[0]))
+    if name in ("flux", "sd35"):  # the paper's models: DiTo (after arXiv 2605.22011) at its node's defaults
+        out.append(Variant("DiTo r=0.5 (interval 5)", patch=lambda m: tn.DiToPatchModel().patch(m, 0.5)[0]))
     return out
 
 

@@ -42,9 +42,11 @@ Output: a table, a plot (``<out>/curves_<arch>_<set>_<side>.png``: CPU-time spee
 line per method) and a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``).
 """
 import argparse
+import importlib
 import logging
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -91,6 +93,40 @@ def tomesd(tn, ratio: float, max_downsample: int) -> Variant:
 def catome(tn, threshold: float, max_downsample: int) -> Variant:
     return Variant("CA-ToMe", f"t={threshold:g}",
                    lambda m: tn.CAToMePatchModel().patch(m, threshold, max_downsample=max_downsample)[0])
+
+
+def dito(tn, ratio: float, interval: int = 5, penalty: float = 0.5, family: str = "DiTo") -> Variant:
+    """The DiTo Token Merge node (after arXiv 2605.22011: toma_core/dito.py lists what it assumes)."""
+    return Variant(family, f"r={ratio:g}", lambda m: tn.DiToPatchModel().patch(m, ratio, interval, penalty)[0])
+
+
+@lru_cache(maxsize=None)
+def tomesd_on_dits_strategy(core):
+    """ToMeSD with DiT blocks patched, from the pack's ``core`` (its toma_core, whose classes the pack's
+    runtime and merge map know): ``tomesd_plan`` on each merged block's input, its plan as DiTo's (which gives
+    a DiT adapter the positions of the merged tokens); a video's frames stacked as rows, as DiTo's."""
+
+    @dataclass(frozen=True)
+    class ToMeSDOnDiTs(core.ToMeSD):
+        patches_dits = True
+
+        def build(self, features, grid, generator=None, destinations=None, seed=None):
+            rows = grid if len(grid) == 2 else (grid[0] * grid[1], grid[2])
+            p = core.tomesd_plan(features, rows, self.ratio, self.sx, self.sy, generator=generator, seed=seed)
+            return core.DiToPlan(p.num_tokens, p.src_index, p.dst_index, p.unmerged, p.merged, p.target)
+
+    return ToMeSDOnDiTs
+
+
+def tomesd_on_dits(tn, ratio: float) -> Variant:
+    """ToMeSD's matching in DiT blocks, for the fronts only (its node is for UNets): fresh in every block call
+    with new random cells, whole blocks merged (scope block)."""
+
+    def patch(m):
+        core = importlib.import_module(tn.__name__.rsplit(".", 2)[0] + ".toma_core")
+        return tn.apply_strategy(m, tomesd_on_dits_strategy(core)(ratio), scope="block")
+
+    return Variant("ToMeSD (DiT blocks)", f"r={ratio:g}", patch)
 
 
 def unet_methods(tn, sdxl: bool = False) -> list[Variant]:
@@ -209,7 +245,8 @@ def dit_front(tn, video: bool) -> list[Variant]:
     """Around the DiT default (whole blocks, window 4, reuse 5, every step from the first): the first 20% of
     the schedule unmerged, window 8, one step in 2, per-block plans; keys/values merging (plain, with
     proportional attention, with per-block plans, with shared destinations); on Flux layouts also the
-    attention-only placement. For choosing each DiT family's default on the GPU clock."""
+    attention-only placement; DiTo and ToMeSD's matching in whole blocks beside them. For choosing each DiT
+    family's default on the GPU clock."""
     out = [Variant("unpatched", "", lambda m: m)]
     out += [toma(tn, "ToMA block", f"r={r:g}", r, scope="block") for r in RATIOS]
     out += [toma(tn, "ToMA block, start 0.2", f"r={r:g}", r, scope="block", start_percent=0.2) for r in RATIOS]
@@ -232,6 +269,11 @@ def dit_front(tn, video: bool) -> list[Variant]:
                      merge_every=2)]
         out += [toma(tn, "ToMA attention", f"r={r:g}", r, scope="attention") for r in (0.5, 0.75)]
         out += [toma(tn, "ToMA attention, start 0.2", "r=0.75", 0.75, scope="attention", start_percent=0.2)]
+    # the other methods on DiTs: DiTo (after arXiv 2605.22011; its default interval 5 and penalty 0.5, and without
+    # the penalty), and ToMeSD's matching in the same whole blocks
+    out += [dito(tn, r) for r in RATIOS]
+    out += [dito(tn, 0.5, penalty=0.0, family="DiTo, no penalty")]
+    out += [tomesd_on_dits(tn, r) for r in (0.5, 0.75)]
     return out
 
 

@@ -5,7 +5,8 @@
 - ``plan``: ToMA's merge plan, M = row-normalised softmax(tau * cos), unmerge U = A^T (or pinv).
 - ``schedule``: merge window and pattern reuse, keyed on sampler sigmas.
 - ``baselines``: ToMeSD and CA-ToMe behind the same merge/unmerge interface.
-- ``strategies``: the three methods behind one protocol (build a plan; a schedule says when).
+- ``dito``: DiTo (after arXiv 2605.22011): matchings on block outputs, reused over reduction steps.
+- ``strategies``: the four methods behind one protocol (build a plan; a schedule says when).
 - ``groups``: which kept token every token was merged into (what a merge map draws).
 """
 from .baselines import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, BipartitePlan, CheckpointSchedule, catome_checkpoints,
@@ -14,7 +15,8 @@ from .groups import bipartite_groups, merge_groups, toma_groups
 from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, TokenPlan, destinations_per_tile, plan_tiles
 from .schedule import EveryCall, ReuseSchedule, RunClock, ShortRun, StepDecision, step_from_sigmas
 from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
-from .strategies import CAToMe, ToMA, ToMeSD
+from .dito import DiToPlan, MatchingPlan, MatchingSchedule, interval_from_pmr, pair_match_ratio
+from .strategies import CAToMe, DiTo, ToMA, ToMeSD
 from .tiles import TileGrid, tile_tokens, token_grid, untile_tokens
 
 __all__ = [
@@ -23,7 +25,8 @@ __all__ = [
     "bipartite_groups", "merge_groups", "toma_groups",
     "DEFAULT_TAU", "IdentityPlan", "MergePlan", "TokenPlan", "destinations_per_tile", "plan_tiles",
     "EveryCall", "ReuseSchedule", "RunClock", "ShortRun", "StepDecision", "step_from_sigmas",
-    "CAToMe", "ToMA", "ToMeSD",
+    "DiToPlan", "MatchingPlan", "MatchingSchedule", "interval_from_pmr", "pair_match_ratio",
+    "CAToMe", "DiTo", "ToMA", "ToMeSD",
     "cosine_similarity", "facility_location", "select_destinations", "stochastic_facility_location",
     "TileGrid", "tile_tokens", "token_grid", "untile_tokens",
 ]

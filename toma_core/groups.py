@@ -7,7 +7,7 @@ that survive merging (destinations), over the plan's h*w grid (frames*h*w for wi
 import torch
 
 from .baselines import BipartitePlan
-from .plan import MergePlan
+from .plan import IdentityPlan, MergePlan
 from .tiles import grid_on, untile_tokens
 
 
@@ -36,7 +36,11 @@ def bipartite_groups(plan: BipartitePlan) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def merge_groups(plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(groups, kept) of a ToMA or a bipartite plan."""
+    """(groups, kept) of a ToMA or a bipartite plan, or of one that merges nothing (every token its own group:
+    DiTo's matching steps)."""
+    if isinstance(plan, IdentityPlan):
+        every = torch.arange(plan.num_merged, device=plan.device)
+        return every, every
     if isinstance(plan, MergePlan):
         return toma_groups(plan)
     if isinstance(plan, BipartitePlan):

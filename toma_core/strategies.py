@@ -1,4 +1,4 @@
-"""The three merge methods behind one small protocol: how a plan is built (``build``) and when
+"""The four merge methods behind one small protocol: how a plan is built (``build``) and when
 (``schedule``, a ``decide``/``reset`` object from ``schedule`` or ``baselines``).
 
     build(features (B, N, C), grid (h, w) or (frames, h, w), generator, destinations=None) -> plan
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .baselines import CheckpointSchedule, catome_plan, tomesd_plan
+from .dito import MatchingSchedule, dito_plan, raster_rows
 from .plan import DEFAULT_TAU, plan_tiles
 from .schedule import EveryCall, ReuseSchedule
 from .selection import EXACT_GREEDY_MAX_TILE
@@ -116,4 +117,36 @@ class CAToMe:
         return catome_plan(features, grid, self.threshold, self.sx, self.sy, generator=generator)
 
     def merges_nothing(self, grid) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class DiTo:
+    """DiTo, after arXiv 2605.22011 (``toma_core.dito``, with its assumptions): each block matches on its own
+    output at a matching step (run unmerged) and merges by that matching over the reduction steps after it,
+    with a penalty on sources merged at earlier matchings. Per block (each block's own output), DiTs only;
+    the matching's cells are hashed from a stream of the model call's seed (``draws_seed``), as ToMeSD's."""
+
+    ratio: float
+    penalty: float = 0.5
+    sx: int = 2
+    sy: int = 2
+    seed: int = 0
+    schedule: MatchingSchedule = field(default_factory=MatchingSchedule)
+    proportional: bool = False
+    name = "DiTo"
+    shares_plans = False
+    patches_dits = True
+    patches_unets = False
+    draws_seed = True
+
+    def build(self, features: torch.Tensor, grid, generator=None, destinations=None, seed=None):
+        return dito_plan(features, grid, self.ratio, self.penalty, self.sx, self.sy, destinations, seed, generator)
+
+    def merges_nothing(self, grid) -> str | None:
+        rows, cols = raster_rows(grid)
+        if rows < self.sy or cols < self.sx:
+            return f"the {rows}x{cols} token grid holds no whole {self.sy}x{self.sx} cell to keep a destination in"
+        if int(rows * cols * self.ratio) == 0:
+            return f"ratio {self.ratio:g} of {rows * cols} tokens merges no token"
         return None

@@ -32,7 +32,7 @@ Which blocks: the paper merges Flux double blocks 5-18 of 19 and single blocks 5
 skip the same fraction of each group (depth * 5/19 double blocks, depth * 5/38 single blocks, rounded
 half up). Blocks that already carry a "dit" replace patch from another node are left alone, except the
 patches of a token merge node before this one: stacked, the node nearer the sampler merges where both
-would (as on UNets), and the earlier node keeps only the blocks left to it. Only ToMA patches DiTs:
+would (as on UNets), and the earlier node keeps only the blocks left to it. ToMA and DiTo patch DiTs:
 ToMeSD and CA-ToMe are UNet baselines.
 
 Plans: one per group (double, single; each merged reference grid a group of its own), token grid and
@@ -746,7 +746,9 @@ class DiTPatch:
         (``equal_slabs``: every rank's slab merging to as many tokens); else None, the call counted and the
         model call's blocks stepping aside (``tokens_fit``), with why."""
         group, strategy = sequence_parallel_group(), self.runtime.strategy
-        if group is None:
+        if not hasattr(strategy, "window_size"):
+            why = f"{strategy.name} does not merge sequence-parallel slabs (ToMA's windows do)"
+        elif group is None:
             why = "no sequence-parallel group of xfuser names the rank, so ToMA cannot tell which slab this is"
         elif tokens != -(-layout.total // group[1]):
             why = f"they are not one of {group[1]} equal slabs, as raylight cuts them"

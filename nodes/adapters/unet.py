@@ -342,6 +342,10 @@ def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
     of downsample factors; scope: a placement.SCOPES value, "auto" = "attention" (anything else is a
     ValueError naming it). Where keys merge, a strategy whose ``proportional`` is set weighs each merged
     key as the tokens it stands for."""
+    if not getattr(runtime.strategy, "patches_unets", True):
+        log.warning("ToMA: %s is for DiTs and does not patch UNets; %s (%s) returned unpatched (use the ToMA node on "
+                    "UNets)", runtime.name, type(model.model).__name__, name)
+        return model
     scope = placement.resolve(scope, name, placement.UNET_PLACEMENTS, placement.UNET_AUTO)
     dm = model.model.diffusion_model
     available = attention_levels(dm)

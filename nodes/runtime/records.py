@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from ...toma_core import BipartitePlan, MergePlan, merge_groups
+from ...toma_core import BipartitePlan, IdentityPlan, MergePlan, merge_groups
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class PlanRecord:
     step: sampling step at which the plan was built; it stays in use until the next record of its level.
     h, w: token grid (of each frame of a video). window: (rows, cols) of the windows the method merges
     inside (ToMA's windows, ToMeSD's strides) for drawing their borders, None if unknown. plan: the
-    MergePlan or BipartitePlan. frames: latent frames of a video grid (frames x h x w), 1 for an image.
+    MergePlan or BipartitePlan, or an IdentityPlan (nothing merged). frames: latent frames of a video grid (frames x h x w), 1 for an image.
     """
 
     step: int
@@ -56,6 +56,8 @@ def record_plan(plan, step: int, grid: tuple[int, ...], strategy=None) -> PlanRe
         window = (plan.grid.window_size, plan.grid.window_size)
     elif isinstance(plan, BipartitePlan):
         window = (strategy.sy, strategy.sx) if hasattr(strategy, "sy") and hasattr(strategy, "sx") else None
+    elif isinstance(plan, IdentityPlan):  # a step that merges nothing (DiTo's matching steps)
+        window = None
     else:
         raise TypeError(f"cannot record a {type(plan).__name__}")
     return PlanRecord(step, int(grid[-2]), int(grid[-1]), window, plan, int(grid[0]) if len(grid) == 3 else 1)
