@@ -10,10 +10,10 @@ needs ComfyUI v0.33.0's fused kernels: in older trees they skip, saying why.
 import importlib
 import inspect
 
+import dit_checks
 import pytest
 import torch
 
-import dit_checks
 from toma_bench import comfy_host, models, sampling
 from toma_bench.metrics import relative_l2
 

@@ -42,10 +42,7 @@ import contextlib
 import sys
 import types
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
+import comfy.conds
 import comfy.latent_formats
 import comfy.ldm.modules.attention as host_attention
 import comfy.model_base
@@ -57,6 +54,9 @@ import comfy.rmsnorm
 import comfy.supported_models
 import comfy.supported_models_base
 import comfy.utils
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from comfy.ldm.flux.layers import EmbedND, timestep_embedding
 from comfy.ldm.flux.math import apply_rope1
 from comfy.ldm.lightricks.model import TimestepEmbedding
@@ -438,7 +438,7 @@ class QwenImage21Transformer2DModel(nn.Module):
         ).execute(x, timestep, context, ref_latents, image_slots, transformer_options, **kwargs)
 
     def _forward(self, x, timesteps, context, ref_latents=None, image_slots=None, transformer_options={}, **kwargs):
-        B, C, H, W = x.shape
+        B, _, H, W = x.shape
         dtype = x.dtype
         ref_latents, image_slots = list(ref_latents or []), list(image_slots or [])
         hidden_states, pe, segments = self.build_sequence(x, context, ref_latents, image_slots)
@@ -571,7 +571,6 @@ def installed():
         import importlib
         yield importlib.import_module(MODULE)
         return
-    import comfy.conds  # noqa: F401  (QwenImage21Base.extra_conds)
     import comfy.ldm
 
     package = types.ModuleType("comfy.ldm.qwen_image21")
@@ -579,7 +578,7 @@ def installed():
     package.model = sys.modules[__name__]
     saved = {name: sys.modules.get(name) for name in (package.__name__, MODULE)}
     sys.modules[package.__name__], sys.modules[MODULE] = package, sys.modules[__name__]
-    setattr(comfy.ldm, "qwen_image21", package)
+    comfy.ldm.qwen_image21 = package
     for module, name, stand_in in PLACES:
         setattr(sys.modules[module], name, stand_in)
     try:
