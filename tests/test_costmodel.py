@@ -142,6 +142,26 @@ def test_every_family_of_2026_has_a_row_at_its_usual_size():
     assert all(spec.host_timestep for spec in minimax.values())
 
 
+def test_qwen_image21_rows_at_1024_and_2048_build_the_7b_model_where_the_tree_or_its_stand_in_has_it(pack):
+    """Qwen-Image 2.1 at 1024 (64 x 64 = 4,096 target tokens) and 2048 (16,384), 40 steps without CFG, its prefix
+    cache off (its key compare cannot run on meta); the model is ComfyUI's own or, in a tree without it, the
+    stand-in, at the real size: 32 blocks of width 4096, about 7B parameters, served by its family."""
+    rows = {spec.name: spec for spec in costmodel.SPECS.values() if spec.model_config == "QwenImage21"}
+    assert {name: (spec.latent, spec.steps, spec.cfg) for name, spec in rows.items()} == {
+        "qwen_image21": ((1, 64, 64, 64), 40, 1.0), "qwen_image21_2048": ((1, 64, 128, 128), 40, 1.0)}
+    assert all(spec.transformer_options == {"qwen_image21_cache": {"device": "off"}} for spec in rows.values())
+    spec = rows["qwen_image21"]
+    reason = costmodel.missing(spec)
+    if reason:
+        pytest.skip(reason)
+    with costmodel.model_classes(spec):
+        model = costmodel.build_meta(spec)
+        dm = model.model.diffusion_model
+        assert (len(dm.transformer_blocks), dm.inner_dim) == (32, 4096)
+        assert 6.5e9 < sum(p.numel() for p in dm.parameters()) < 7.5e9
+        assert pack.nodes.adapters.adapter_for(model) is pack.nodes.adapters.families.QWEN_IMAGE21
+
+
 # -- pricing (no ComfyUI) ---------------------------------------------------------------------------------
 def test_a_mask_index_on_meta_selects_its_share_and_waits_for_the_count():
     x, mask = torch.empty(8, 4, device="meta"), torch.empty(8, dtype=torch.bool, device="meta")

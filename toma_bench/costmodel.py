@@ -31,6 +31,7 @@ same variants and prints predicted against measured.
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import statistics
@@ -90,6 +91,9 @@ class Spec:
     mask_share: float | None = None  # a model that indexes by data-dependent masks: the share each selects
     tree: OtherTree | None = None
     host_timestep: bool = False  # the model reads its timestep's value (MiniMax-H3): it stays on the CPU, a sync
+    # the module of a stand-in (its installed() and missing()) for a tree without the model (Qwen-Image 2.1)
+    stand_in: str | None = None
+    transformer_options: dict | None = None  # set on the model before each variant patches it
 
 
 SD35_LARGE = {
@@ -102,6 +106,12 @@ SD35_LARGE = {
 WAN_14B = dict(models.WAN_1_3B, dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
 # Wan 2.2 TI2V 5B: 48-channel latents of its 16x16x4 VAE, patch (1, 2, 2)
 WAN22_5B = dict(models.WAN_1_3B, dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48)
+
+
+QWEN_IMAGE21_STAND_IN = "toma_bench.qwen_image21"
+# Qwen-Image 2.1 as ComfyUI's model detection builds it (the model's defaults: 32 blocks of 32 heads x 128, text 4096)
+QWEN_IMAGE21 = {"image_model": "qwen_image21"}
+QWEN_IMAGE21_NO_CACHE = {"qwen_image21_cache": {"device": "off"}}  # the QwenImage21Cache node's "off"
 
 
 def _sd3_conditioning():
@@ -224,6 +234,17 @@ SPECS = {s.name: s for s in (
     Spec("minimax_h3_template", "MiniMax-H3 as v0.33.0's templates run it: 1344x768 x 73 frames (22,176 video + 244 "
          "audio + 256 text tokens), the distilled LoRA at 4 steps, CFG 1", "MiniMaxH3", models.MINIMAX_H3_FULL,
          _minimax_h3_latent(73, 22), _text(5120, 256), steps=4, cfg=1.0, host_timestep=True),
+    # Qwen-Image 2.1 (ComfyUI v0.37.0 on; toma_bench.qwen_image21's stand-in in older trees): 40 steps, no CFG, its
+    # text (Qwen3-VL-8B, 128 tokens here) a causal prefix whose keys and values the model caches from the second step.
+    # The cache picks its slot by comparing key tensors, which meta tensors cannot: it is off here, every step
+    # computing the prefix's 128 rows too (3% of the rows at 1024, under 1% at 2048; the same in every variant, so the
+    # speed-ups are a little low)
+    Spec("qwen_image21", "Qwen-Image 2.1 1024x1024 (4,096 image + 128 text tokens), CFG 1", "QwenImage21",
+         QWEN_IMAGE21, (1, 64, 64, 64), lambda: models.text_conditioning(4096, 1, 128, SEED), steps=40, cfg=1.0,
+         stand_in=QWEN_IMAGE21_STAND_IN, transformer_options=QWEN_IMAGE21_NO_CACHE),
+    Spec("qwen_image21_2048", "Qwen-Image 2.1 2048x2048 (16,384 image + 128 text tokens), CFG 1", "QwenImage21",
+         QWEN_IMAGE21, (1, 64, 128, 128), lambda: models.text_conditioning(4096, 1, 128, SEED), steps=40, cfg=1.0,
+         stand_in=QWEN_IMAGE21_STAND_IN, transformer_options=QWEN_IMAGE21_NO_CACHE),
     Spec("ltx2", "LTX-2 19B, the template's first pass: 640x360 x 121 frames (3,520 video + 127 audio + 1,024 "
          "text tokens), CFG batch 2 (CFG 4); model called directly, as tests/test_ltx2.py does", "LTXV",
          models.LTX2_FULL, ((1, 128, 16, 11, 20), (1, 8, 127, 16)), _ltx2_text, cfg=4.0, tree=LTX2_TREE),
@@ -254,9 +275,24 @@ def missing(spec: Spec) -> str | None:
     """Why this ComfyUI tree cannot build ``spec``'s model, or None."""
     import comfy.supported_models
 
+    if spec.stand_in is not None and not hasattr(comfy.supported_models, spec.model_config):
+        try:
+            return importlib.import_module(spec.stand_in).missing()
+        except ImportError as e:
+            return f"this ComfyUI tree has no {spec.model_config}, and its stand-in does not import here ({e})"
     if not hasattr(comfy.supported_models, spec.model_config):
         return f"this ComfyUI tree has no {spec.model_config}"
     return spec.tree.missing() if spec.tree else None
+
+
+def model_classes(spec: Spec):
+    """A context in which ``spec``'s model classes are where ComfyUI keeps them: another tree's (spec.tree; it yields
+    their module), a stand-in's for a tree that lacks them (spec.stand_in), or the host's."""
+    if spec.tree is not None:
+        return spec.tree.classes()
+    if spec.stand_in is not None:
+        return importlib.import_module(spec.stand_in).installed()
+    return contextlib.nullcontext()
 
 
 # -- the variants ----------------------------------------------------------------------------------------
@@ -441,6 +477,9 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
     import comfy.sample
     import comfy.samplers
 
+    if spec.transformer_options:
+        base = base.clone()
+        base.model_options.setdefault("transformer_options", {}).update(spec.transformer_options)
     model = variant.patch(base)
     runtimes = []
     try:
@@ -874,7 +913,7 @@ def record_model(spec: Spec, pack, steps: int, variants=None, progress=print, wa
     ``traced``: each variant the pack patched is recorded again in traced_form (Recorded.traced)."""
     out = []
     variants = variants or select_variants(variants_for(spec.name, pack), wanted)
-    with spec.tree.classes() if spec.tree else contextlib.nullcontext() as module, meta_sampling():
+    with model_classes(spec) as module, meta_sampling():
         base = build_meta(spec, getattr(module, spec.tree.unet_model) if spec.tree else None)
         for variant in variants:
             started = time.perf_counter()

@@ -7,7 +7,7 @@ depths skip the same fraction of each group (dit.SKIP_FRACTION, by the group's r
 layers over one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
 """
 from .. import placement
-from . import hidream, hunyuan_video, krea2, ltxv, lumina, minimax, qwen_image, wan
+from . import hidream, hunyuan_video, krea2, ltxv, lumina, minimax, qwen_image, qwen_image21, wan
 from .dit import JOINT, TWO_STREAM, VIDEO
 from .family import OBJECT_PATCH, BlockGroup, DiTFamily
 
@@ -74,6 +74,17 @@ QWEN_IMAGE = DiTFamily("Qwen-Image", ("Qwen-Image",), False, "comfy.ldm.qwen_ima
                        qwen_image.QwenImagePatch, placements=WITH_KEYS_VALUES,
                        never_merged="text (Edit references merge by plans of their own)")
 
+# Qwen-Image 2.1 (ComfyUI v0.37.0 on): one sequence [prefix, target] per block, the prefix (text with the reference
+# images spliced in) causal and cached by the model across steps; the target merges, the prefix and its cached keys
+# and values stay whole. Each block's forward is object-patched: a "dit" replace patch would switch the cache off.
+QWEN_IMAGE21 = DiTFamily("Qwen-Image 2.1", ("Qwen-Image 2.1",), False,
+                         "comfy.ldm.qwen_image21.model:QwenImage21Transformer2DModel",
+                         (BlockGroup("transformer_blocks", "single_block", JOINT, "block_forward"),),
+                         qwen_image21.QwenImage21Patch, qwen_image21.QwenImage21LayoutStash,
+                         patch_size=qwen_image21.PATCH_SIZE, intercept=OBJECT_PATCH, placements=WITH_KEYS_VALUES,
+                         never_merged="text, reference images (the prefix, whose keys and values the model caches)",
+                         unserved=qwen_image21.unserved)
+
 # Chroma and Chroma Radiance: Flux's blocks, merged as Flux's are. Each block's modulation comes from the
 # distilled-guidance approximator as per-sample (B, 1, C) slices, not per token, so it passes unchanged; an
 # attn_mask (T5 padding, regional prompts) is cut to the merged rows. Radiance patchifies pixels 16x16.
@@ -101,4 +112,5 @@ KREA2 = DiTFamily("Krea 2", ("Krea 2",), False, "comfy.ldm.krea2.model:SingleStr
                   patch_size="patch", intercept=OBJECT_PATCH, placements=WITH_KEYS_VALUES,
                   never_merged="text, reference images", unserved=krea2.unserved)
 
-DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, MINIMAX_H3, QWEN_IMAGE, CHROMA, LUMINA, HIDREAM, KREA2)
+DIT_FAMILIES = (FLUX, SD3, HUNYUAN_VIDEO, LTX2, LTXV, WAN, MINIMAX_H3, QWEN_IMAGE, QWEN_IMAGE21, CHROMA, LUMINA, HIDREAM,
+                KREA2)

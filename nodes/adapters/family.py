@@ -72,7 +72,7 @@ class DiTFamily:
     model_class: "module:Class" of the diffusion model. groups: its BlockGroups. blocks: its DiTPatch
     class. stash: its LayoutStash class, wrapping the first of ``wrappers`` ("DIFFUSION_MODEL": the
     diffusion model's ``_forward``; "APPLY_MODEL": ``BaseModel._apply_model``) the model has.
-    patch_size: the diffusion model's attribute path to its patch size. intercept: REPLACE or
+    patch_size: the diffusion model's attribute path to its patch size, or the size (a model without one). intercept: REPLACE or
     OBJECT_PATCH. placements: the placement.SCOPES it honours. never_merged: the tokens that stay whole,
     in words (the patch log line says them). unserved: diffusion model -> why it is not served, or None.
     read_outside: whether the stash also wraps ``BaseModel._apply_model`` (outside the diffusion model;
@@ -92,7 +92,7 @@ class DiTFamily:
     blocks: type = DiTPatch
     stash: type = LayoutStash
     wrappers: tuple[str, ...] = ("DIFFUSION_MODEL",)
-    patch_size: str = "patch_size"
+    patch_size: str | int = "patch_size"
     intercept: str = REPLACE
     placements: tuple[str, ...] = (placement.BLOCK,)
     never_merged: str = "text"
@@ -130,8 +130,12 @@ class DiTFamily:
         if where is None or not hasattr(model, "add_wrapper_with_key"):
             return None
         dm = model.model.diffusion_model
-        stash = self.stash(wrapped(model, where), operator.attrgetter(self.patch_size)(dm), runtime)
+        stash = self.stash(wrapped(model, where), self.patch_of(dm), runtime)
         return getattr(WrappersMP, where), WRAPPER_KEY, stash
+
+    def patch_of(self, dm):
+        """The patch size of the diffusion model ``dm`` (``patch_size``: the size, or where ``dm`` keeps it)."""
+        return self.patch_size if isinstance(self.patch_size, int) else operator.attrgetter(self.patch_size)(dm)
 
     def wrapper_of(self, model) -> str | None:
         """The first of ``wrappers`` whose call ``model`` has."""
@@ -181,7 +185,7 @@ class DiTFamily:
         if self.read_outside and self.wrapper_of(model) != "APPLY_MODEL":
             from comfy.patcher_extension import WrappersMP
 
-            outside = self.stash(wrapped(model, "APPLY_MODEL"), operator.attrgetter(self.patch_size)(dm), runtime)
+            outside = self.stash(wrapped(model, "APPLY_MODEL"), self.patch_of(dm), runtime)
             m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, outside)
         install_run_hooks(m, runtime)
         if self.sparse_takes_blocks:
