@@ -1,14 +1,21 @@
 """``python -m toma_bench.main_job`` end to end (on a tiny proxy file and on a tiny checkpoint), its graphs,
 its run order and its busy-machine warnings."""
+import contextlib
+import importlib.metadata
 import json
 import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from toma_bench import main_job, server
+from toma_bench import comfy_host, comfy_requirements, main_job, server
+
+REPO = comfy_host.REPO
 
 TINY_SD15 = {"channel_mult": [1, 2], "num_res_blocks": [1, 1], "transformer_depth": [1, 1],
              "transformer_depth_output": [1, 1, 1, 1]}
@@ -145,6 +152,18 @@ def test_busy_warnings(load_before, load_after, cores, threads, runs, expected):
         assert "wall-time ratios are unreliable" in warnings[-1] and "CPU-time columns" in warnings[-1]
 
 
+def test_busy_warnings_on_several_threads_say_to_run_on_one():
+    """On a busy machine the CPU times of 2 server threads scattered as much as the wall times (4.4-28.6 s): the
+    warning must not send the reader to them, but to --threads 1."""
+    busy = (1.8, 3.5, 2)
+    runs = [main_job.Timing(1.5, 1.0)]
+
+    several, one = main_job.busy_warnings(*busy, 2, runs)[-1], main_job.busy_warnings(*busy, 1, runs)[-1]
+
+    assert "--threads 1" in several and "with 2 server threads the CPU-time columns too" in several
+    assert "--threads" not in one and "read the CPU-time columns" in one
+
+
 def test_verdict_ranks_by_cpu_time_not_wall_time():
     """The issue's run: on a busy machine ToMA's wall time said 0.61x while its CPU time said 1.13x."""
     timing = main_job.Timing
@@ -169,6 +188,124 @@ def test_missing_proxy_names_the_file_and_the_training_command(tmp_path, monkeyp
 
     assert str(tmp_path / "sd15_proxy.safetensors") in str(error.value)
     assert "python -m toma_bench.proxy_training train --arch sd15" in str(error.value)
+
+
+def started_server(monkeypatch) -> list[dict]:
+    """Records the settings of each server the job starts (its main.py options and environment) instead of
+    starting it; the job then fails as if the server had not started."""
+    started = []
+
+    @contextlib.contextmanager
+    def comfy_server(workdir, *extra, env=None, **settings):
+        started.append({"extra": extra, "env": env, **settings})
+        raise server.ServerError("not started (the test records its settings)")
+        yield
+
+    monkeypatch.setattr(server, "comfy_server", comfy_server)
+    return started
+
+
+@pytest.mark.comfy  # finds the tree (imports nothing from it)
+@pytest.mark.parametrize("argv, threads", [([], "1"), (["--threads", "2"], "2")])
+def test_the_server_runs_on_one_thread_unless_told(tmp_path, monkeypatch, capsys, argv, threads):
+    """One server thread by default: with 2 on a busy machine the headline flipped from faster to slower."""
+    started = started_server(monkeypatch)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    assert main_job.main(argv + ["--output", str(tmp_path)]) == 1
+
+    assert [run["env"] for run in started] == [{"OMP_NUM_THREADS": threads}]
+    assert f", {threads} server CPU thread(s)" in capsys.readouterr().out
+
+
+@pytest.mark.comfy
+def test_threads_below_one_are_refused(tmp_path, monkeypatch):
+    started_server(monkeypatch)
+
+    with pytest.raises(SystemExit, match="--threads at least 1"):
+        main_job.main(["--threads", "0", "--output", str(tmp_path)])
+
+
+def v0_33_tree(tmp_path) -> Path:
+    """A folder that looks like ComfyUI v0.33.0 to the job (main.py, comfy/, its requirements.txt)."""
+    tree = tmp_path / "ComfyUI"
+    (tree / "comfy").mkdir(parents=True)
+    (tree / "main.py").write_text("")
+    (tree / "requirements.txt").write_text(V0_33_REQUIREMENTS)
+    return tree
+
+
+# ComfyUI v0.33.0's requirements.txt (2026-08), the part that matters here: start, and the optional ones
+V0_33_REQUIREMENTS = """comfyui-frontend-package==1.49.6
+torch
+torchvision
+numpy>=1.25.0
+aiohttp>=3.11.8
+psutil
+alembic
+SQLAlchemy>=2.0.0
+blake3
+
+#non essential dependencies:
+kornia>=0.7.1
+spandrel
+"""
+
+
+def test_what_a_tree_needs_is_read_from_its_requirements(tmp_path, monkeypatch):
+    """SQLAlchemy and alembic missing (the harness's venv as tests/setup_host.sh makes it): they are named, an
+    optional package missing is not."""
+    absent = {"sqlalchemy", "alembic", "kornia"}
+    monkeypatch.setattr(comfy_requirements, "is_installed", lambda name: name.lower() not in absent)
+
+    assert comfy_requirements.missing(v0_33_tree(tmp_path)) == ["alembic", "SQLAlchemy>=2.0.0"]
+    assert comfy_requirements.missing(tmp_path) == []  # no requirements.txt: nothing known to check
+
+
+def test_a_tree_whose_requirements_are_missing_is_named_before_its_server_starts(tmp_path, monkeypatch):
+    """The harness's venv on ComfyUI v0.33.0 failed with "No module named 'sqlalchemy'" from the server's log."""
+    started = started_server(monkeypatch)
+    monkeypatch.setattr(comfy_requirements, "is_installed", lambda name: name.lower() not in {"sqlalchemy"})
+    tree = v0_33_tree(tmp_path)
+    monkeypatch.setenv("COMFYUI_PATH", str(tree))
+
+    with pytest.raises(SystemExit) as error:
+        main_job.main(["--comfyui", str(tree), "--output", str(tmp_path / "out")])
+
+    message = str(error.value)
+    assert "SQLAlchemy>=2.0.0" in message and str(tree) in message and "--install-requirements" in message
+    assert started == []
+
+
+def test_install_requirements_installs_what_is_missing_and_keeps_torch(tmp_path, monkeypatch, capsys):
+    installed = set()
+    commands = []
+
+    def pip(command, check):
+        constraints = command[command.index("-c") + 1]
+        commands.append((command, open(constraints).read().split()))
+        installed.update(comfy_requirements.name_of(line).lower() for line in command[command.index("-c") + 2:])
+
+    monkeypatch.setattr(comfy_requirements.subprocess, "run", pip)
+    monkeypatch.setattr(comfy_requirements, "is_installed",
+                        lambda name: name.lower() not in {"sqlalchemy", "alembic"} - installed)
+    started = started_server(monkeypatch)
+    tree = v0_33_tree(tmp_path)
+    monkeypatch.setenv("COMFYUI_PATH", str(tree))
+
+    assert main_job.main(["--comfyui", str(tree), "--install-requirements", "--output", str(tmp_path / "out")]) == 1
+
+    ((command, pins),) = commands
+    assert command[:4] == [sys.executable, "-m", "pip", "install"] and command[6:] == ["alembic", "SQLAlchemy>=2.0.0"]
+    assert f"torch=={importlib.metadata.version('torch')}" in pins
+    assert "installing what ComfyUI at" in capsys.readouterr().out and len(started) == 1  # then it starts
+
+
+def test_the_server_client_needs_no_websocket_client():
+    """A ComfyUI's own Python has aiohttp (its server runs on it) but not websocket-client."""
+    hidden = "import sys; sys.modules['websocket'] = None; import toma_bench.server, toma_bench.main_job"
+    done = subprocess.run([sys.executable, "-c", hidden], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def write_random_proxy(path):
@@ -220,6 +357,74 @@ def test_main_job_on_a_proxy_runs_interleaved_rounds_and_draws_differences(comfy
     top_row = np.asarray(picture)[main_job.CAPTION:main_job.CAPTION + main_job.PANEL, :main_job.PANEL]
     assert np.array_equal(top_row[::4, ::4], images["unpatched"])
     assert (output / "comfyui.log").is_file()
+
+
+BLOCKER = """import importlib.machinery, json, os, sys
+
+HIDDEN = set(json.loads(os.environ["TOMA_TEST_HIDDEN_MODULES"]))
+
+
+class PathFinder(importlib.machinery.PathFinder):
+    \"\"\"sys.path's finder, not finding the hidden modules (find_spec None, import ModuleNotFoundError).\"\"\"
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in HIDDEN:
+            return None
+        return super().find_spec(name, path, target)
+
+
+sys.meta_path[:] = [PathFinder if finder is importlib.machinery.PathFinder else finder for finder in sys.meta_path]
+"""
+
+
+def installed_by(requirements: list[str]) -> set[str]:
+    """The distributions ``requirements`` install, with what they require in turn (their extras left out)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, todo = set(), [canonicalize_name(comfy_requirements.name_of(line)) for line in requirements]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in map(Requirement, requires):
+            if not line.marker or line.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(line.name))
+    return seen
+
+
+@pytest.mark.server
+def test_main_job_runs_in_a_python_with_only_what_comfyui_installs(comfy, tmp_path):
+    """``--comfyui DIR`` run by that ComfyUI's own Python, which has the tree's requirements and not the
+    harness's (websocket-client, pytest, ...): every module of an installed package outside the tree's
+    requirements.txt (and what they require) is hidden from the job and from its server."""
+    from packaging.utils import canonicalize_name
+
+    tree = comfy
+    allowed = installed_by(comfy_requirements.essential(tree))
+    hidden = sorted(module for module, names in importlib.metadata.packages_distributions().items()
+                     if not {canonicalize_name(name) for name in names} & allowed)
+    assert "websocket" in hidden and "_pytest" in hidden  # what a ComfyUI's own Python lacks is hidden
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
+    write_random_proxy(tmp_path / "tiny_proxy.safetensors")
+    env = dict(os.environ, TOMA_TEST_HIDDEN_MODULES=json.dumps(hidden),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
+
+    done = subprocess.run([sys.executable, "-m", "toma_bench.main_job", "--comfyui", str(tree), "--proxy",
+                           str(tmp_path / "tiny_proxy.safetensors"), "--repeats", "1", "--steps", "2",
+                           "--output", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.rstrip().splitlines()[-1].startswith("[main-job] done")
+    assert "[main-job] by CPU time, against unpatched: " in done.stdout
 
 
 @pytest.mark.server

@@ -464,7 +464,11 @@ STAND_INS = itertools.count()
 
 def stand_in(forward: str = FORWARD, self_attention: str = SELF_ATTENTION, attribute: str = "attention_mode"):
     """A WANVIDEOMODEL-like patcher around a WanModel of the given signatures (2026's by default): blocks with a
-    self_attn module (num_heads, attention_mode, o) and a module-level attention() as the wrapper's."""
+    self_attn module (num_heads, attention_mode, o) and a module-level attention() as the wrapper's. Layers are
+    ComfyUI's ops (comfy.ops), as a pack's modules are built (comfy-test lint refuses torch.nn layers anywhere in
+    the pack); o is only looked for here, never called."""
+    import comfy.ops  # importable once the pack fixture has loaded the pack into a ComfyUI
+
     namespace = module_of(f"def attention(q, k, v, q_lens=None, k_lens=None, attention_mode='sdpa', heads=1, "
                           f"frame_tokens=1536, transformer_options={{}}): return q\n"
                           f"def attention_forward({self_attention}): return attention(q, k, v)\n"
@@ -475,7 +479,7 @@ def stand_in(forward: str = FORWARD, self_attention: str = SELF_ATTENTION, attri
 
         def __init__(self):
             super().__init__()
-            self.num_heads, self.o = 2, torch.nn.Linear(4, 4)
+            self.num_heads, self.o = 2, comfy.ops.disable_weight_init.Linear(4, 4)
             setattr(self, attribute, "sdpa")
 
     class Block(torch.nn.Module):

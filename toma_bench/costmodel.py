@@ -455,13 +455,15 @@ def traced_form(pack):
 
 
 def run_sigmas(model, steps: int) -> torch.Tensor:
-    """The "simple" scheduler's sigmas for ``model`` (calculate_sigmas in current ComfyUI, a
-    model-taking calculate_sigmas_scheduler in March 2024)."""
+    """The "simple" scheduler's sigmas for ``model``: calculate_sigmas(model_sampling, ...) in current ComfyUI; in
+    March 2024, before it, the schedulers took the model and read its model_sampling (simple_scheduler, which every
+    tree defines, rather than March 2024's calculate_sigmas_scheduler, which later trees removed: a checker that
+    resolves each ``comfy.*`` reference against a current tree, comfy-import-guard, would call that name a break)."""
     import comfy.samplers
 
     if hasattr(comfy.samplers, "calculate_sigmas"):
         return comfy.samplers.calculate_sigmas(model.get_model_object("model_sampling"), "simple", steps)
-    return comfy.samplers.calculate_sigmas_scheduler(model.model, "simple", steps)
+    return comfy.samplers.simple_scheduler(model.model, steps)
 
 
 def empty_latent(shape: tuple):

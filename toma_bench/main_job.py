@@ -2,10 +2,13 @@
 table of sampling times and a side-by-side picture.
 
     bash tests/setup_host.sh && .venv/bin/python -m toma_bench.main_job
-    .venv/bin/python -m toma_bench.main_job --comfyui ~/ComfyUI --ckpt v1-5-pruned-emaonly.safetensors
+    ~/ComfyUI/venv/bin/python -m toma_bench.main_job --comfyui ~/ComfyUI --ckpt v1-5-pruned-emaonly.safetensors
 
 It starts ComfyUI's own ``main.py --cpu`` (the pinned test tree, or ``--comfyui DIR`` / COMFYUI_PATH)
-with this pack installed, on a free port of 127.0.0.1, and stops it by its pid at the end.
+with this pack installed, on a free port of 127.0.0.1, on one CPU thread (``--threads``), and stops it by its pid at
+the end. The Python that runs the job runs the server: the harness's venv, or a ComfyUI's own Python (the job needs
+nothing that ComfyUI does not install). Before starting, it checks the tree's requirements.txt against that Python
+and names what is missing (``--install-requirements`` pip-installs it, the installed torch kept).
 
 The default model is the trained SD1.x-layout proxy of toma_bench/proxy.py (``toma_bench/proxies/
 sd15_proxy.safetensors``, or ``--proxy FILE``): a small denoiser whose samples are pictures, so the
@@ -20,7 +23,10 @@ its own prompt (ComfyUI caches node outputs, so a shared graph would time only t
 seed + r, in an order rotated per round so that no method always goes first. A run's times are the wall
 time and the server's CPU time of its KSampler node, both read at the websocket's ``executing``
 messages. On a busy machine wall times measure the other jobs as much as the method: the job then says
-so, and the CPU-time columns are the ones to read. It uses the same server helpers as the tests
+so, and the CPU-time columns are the ones to read. Those hold only on one server thread (the default): with more,
+a thread waiting for the others spins, counting CPU time, while they wait for a core, and on a busy 2-core machine
+2 threads scattered a run's CPU time from 4.4 to 28.6 s and flipped the headline from 1.16x faster to 4.99x
+slower. It uses the same server helpers as the tests
 (toma_bench/server.py, toma_bench/comfy_host.py).
 """
 from __future__ import annotations
@@ -40,7 +46,7 @@ from pathlib import Path
 from statistics import median
 from typing import NamedTuple
 
-from . import comfy_host, proxy, server
+from . import comfy_host, comfy_requirements, proxy, server
 from .metrics import psnr
 from .tables import format_table
 
@@ -88,8 +94,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", choices=["sdpa", "default"], default="sdpa",
                    help="sdpa: --use-pytorch-cross-attention (default); default: ComfyUI's CPU default "
                         "(sub-quadratic on CPU, about 3x slower per attention call at 512x512)")
-    p.add_argument("--threads", type=int, help="CPU threads of the server (OMP_NUM_THREADS; default: torch's "
-                   "choice). 1 gives steadier times on a machine busy with other jobs")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of the server (OMP_NUM_THREADS; default "
+                   "1). One thread keeps its CPU times, and so the headline, steady when other jobs share the "
+                   "machine; more are faster on a quiet machine, but on a busy one their CPU times scatter too")
+    p.add_argument("--install-requirements", action="store_true", help="pip-install what the ComfyUI tree's "
+                   "requirements.txt lists and this Python lacks (the installed torch kept) before starting it; "
+                   "without it, the job names what is missing and stops")
     p.add_argument("--output", metavar="DIR", help="where images and the picture go (default: "
                    "output/main_job/<time>)")
     args = p.parse_args(argv)
@@ -202,19 +212,6 @@ def server_cpu_seconds(pid: int) -> float:
     return times.user + times.system
 
 
-def server_threads(threads: int | None) -> int:
-    """The server's CPU threads: --threads, else an OMP_NUM_THREADS it inherits, else torch's default
-    (the physical cores)."""
-    import psutil
-
-    inherited = os.environ.get("OMP_NUM_THREADS", "")
-    if threads:
-        return threads
-    if inherited.isdigit() and int(inherited) > 0:
-        return int(inherited)
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
 class Timing(NamedTuple):
     wall: float  # wall seconds of the KSampler node
     cpu: float  # CPU seconds the server process spent meanwhile (all its threads)
@@ -308,8 +305,13 @@ def busy_warnings(load_before: float, load_after: float, cores: int, threads: in
     if starved:
         warnings.append(f"{len(starved)} of {len(runs)} runs were starved: their KSampler got less CPU time than "
                         f"{STARVED_SHARE:.0%} of its wall time (it waited for a core)")
-    if warnings:
-        warnings.append("so the wall-time ratios are unreliable here: read the CPU-time columns")
+    if warnings and threads == 1:
+        warnings.append("so the wall-time ratios are unreliable here: read the CPU-time columns (the server's one "
+                        "thread counts CPU time only while it works)")
+    elif warnings:
+        warnings.append(f"so the wall-time ratios are unreliable here, and with {threads} server threads the "
+                        "CPU-time columns too (a thread waiting for the others spins, counting CPU time, while they "
+                        "wait for a core): run again with --threads 1 (the default)")
     return warnings
 
 
@@ -399,14 +401,32 @@ def side_by_side(images: dict, timings: dict, path: Path) -> None:
     canvas.save(path)
 
 
+def needs_requirements(root: Path, install: bool) -> None:
+    """Stop, naming them, when this Python lacks packages the tree at ``root`` needs to start; with ``install``,
+    pip-install them instead."""
+    lacking = comfy_requirements.missing(root)
+    if not lacking:
+        return
+    if not install:
+        raise SystemExit(f"[main-job] ComfyUI at {root} needs what this Python ({sys.executable}) lacks: "
+                         f"{', '.join(lacking)} (from its requirements.txt). Run again with --install-requirements "
+                         "to pip-install them (the installed torch is kept), or run the job with that ComfyUI's "
+                         "own Python")
+    print(f"[main-job] installing what ComfyUI at {root} needs into {sys.executable}: {', '.join(lacking)}",
+          flush=True)
+    comfy_requirements.install(lacking)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.comfyui:
         os.environ["COMFYUI_PATH"] = str(Path(args.comfyui).expanduser().resolve())
     size_step = 8 if args.ckpt else PROXY_SIZE_STEP
-    if args.size % size_step or args.size < size_step or args.steps < 1 or args.repeats < 1:
-        raise SystemExit(f"[main-job] --size must be a multiple of {size_step}; --steps and --repeats at least 1")
+    if args.size % size_step or args.size < size_step or args.steps < 1 or args.repeats < 1 or args.threads < 1:
+        raise SystemExit(f"[main-job] --size must be a multiple of {size_step}; --steps, --repeats and --threads "
+                         "at least 1")
     root = comfy_host.comfy_root()
+    needs_requirements(root, args.install_requirements)
     output = Path(args.output) if args.output else REPO / "output" / "main_job" / time.strftime("%Y%m%d-%H%M%S")
     if args.ckpt:
         model = find_checkpoint(args.ckpt, args.models_dir)
@@ -425,9 +445,7 @@ def main(argv=None) -> int:
         workflow = PROXY_WORKFLOW.relative_to(REPO).as_posix()
     output.mkdir(parents=True, exist_ok=True)
     extra = ["--use-pytorch-cross-attention"] if args.attention == "sdpa" else []
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the server process
-    threads, cores = server_threads(args.threads), os.cpu_count() or 1
+    threads, cores = args.threads, os.cpu_count() or 1
     load_before = os.getloadavg()[0]
     print(f"[main-job] ComfyUI: {root}\n[main-job] model: {model_line}\n"
           f"[main-job] workflow: {workflow}, {args.size}x{args.size}, {args.steps} steps, cfg {args.cfg}, "
@@ -435,7 +453,7 @@ def main(argv=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="toma-main-job-"))
     ok = False
     try:
-        with server.comfy_server(workdir, *extra, models=models) as client:
+        with server.comfy_server(workdir, *extra, models=models, env={"OMP_NUM_THREADS": str(threads)}) as client:
             print(f"[main-job] server pid {client.pid} at {client.base_url}\n"
                   f"[main-job] attention: {args.attention} -> {attention_line(client.log)}", flush=True)
             timings, images = timed_runs(client, graph, args.seed, args.repeats)

@@ -9,10 +9,12 @@ Used by the server tests, the browser tests and ``python -m toma_bench.main_job`
 
 The server listens on a free port of 127.0.0.1 only, writes everything under ``workdir`` (see
 comfy_host.main_argv) and is always stopped by its process id when the ``with`` block ends, whatever
-happens inside. Only the standard library and ``websocket-client`` are used on the client side.
+happens inside. The client side uses the standard library and aiohttp, which every ComfyUI installs (its server
+runs on it), so it runs in a ComfyUI's own Python as well as in the harness's venv.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -27,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import websocket  # websocket-client
+import aiohttp
 
 from . import comfy_host
 
@@ -51,6 +53,49 @@ class PromptRefused(Exception):
     @property
     def node_errors(self) -> dict:
         return self.body.get("node_errors", {}) if isinstance(self.body, dict) else {}
+
+
+class Websocket:
+    """A synchronous client of one websocket (ComfyUI's ``/ws``) on aiohttp, driven by an event loop of its own:
+    ``receive`` runs the loop until a frame comes or the timeout passes."""
+
+    def __init__(self, url: str, timeout: float):
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._session, self._ws = self._loop.run_until_complete(self._connect(url, timeout))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @staticmethod
+    async def _connect(url: str, timeout: float):
+        session = aiohttp.ClientSession()
+        try:  # max_msg_size 0: no limit (latent previews come as binary frames)
+            return session, await asyncio.wait_for(session.ws_connect(url, max_msg_size=0), timeout)
+        except BaseException:
+            await session.close()
+            raise
+
+    def receive(self, timeout: float) -> str | bytes | None:
+        """The next text (str) or binary (bytes) frame; None when none came within ``timeout`` seconds. Raises
+        ConnectionError when the server closed the websocket."""
+        try:
+            message = self._loop.run_until_complete(self._ws.receive(timeout))
+        except asyncio.TimeoutError:
+            return None
+        if message.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+            return message.data
+        raise ConnectionError(f"the server's websocket closed ({message.type.name}: {message.data})")
+
+    def close(self):
+        async def closed():
+            await self._ws.close()
+            await self._session.close()
+
+        try:
+            self._loop.run_until_complete(closed())
+        finally:
+            self._loop.close()
 
 
 @dataclass
@@ -106,7 +151,7 @@ class ComfyClient:
         self._check_alive = check_alive  # raises ServerError when the server process is gone
         self._backlog: dict[str, list] = {}  # messages read while waiting for another prompt
         ws_url = base_url.replace("http://", "ws://", 1) + f"/ws?clientId={self.client_id}"
-        self._ws = websocket.create_connection(ws_url, timeout=30)
+        self._ws = Websocket(ws_url, timeout=30)
 
     def close(self):
         self._ws.close()
@@ -155,11 +200,13 @@ class ComfyClient:
             if self._record(run, stamp, kind, data, on_message):
                 return run
         deadline = time.monotonic() + timeout
-        self._ws.settimeout(2)
         while time.monotonic() < deadline:
             try:
-                frame = self._ws.recv()
-            except websocket.WebSocketTimeoutException:
+                frame = self._ws.receive(timeout=2)
+            except ConnectionError as closed:
+                self._check_alive()
+                raise ServerError(str(closed)) from closed
+            if frame is None:
                 self._check_alive()
                 continue
             if isinstance(frame, bytes):  # binary frames are latent previews
@@ -262,8 +309,9 @@ def wait_until_serving(proc: subprocess.Popen, base_url: str, log: Path, timeout
     raise ServerError(f"ComfyUI did not answer /system_stats within {timeout} s:\n{log_tail(log)}")
 
 
-def server_env() -> dict:
-    env = dict(os.environ)
+def server_env(extra: dict | None = None) -> dict:
+    """This process's environment, plus ``extra`` (e.g. OMP_NUM_THREADS), for the server process."""
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONUNBUFFERED"] = "1"  # the log file shows progress as it happens
     return env
 
@@ -281,12 +329,12 @@ def stop(proc: subprocess.Popen, grace: float = 20) -> None:
 
 @contextmanager
 def comfy_server(workdir, *extra: str, models: dict | None = None, frontend: bool = False,
-                 testing_nodes: bool = True, startup_timeout: float = 300):
+                 testing_nodes: bool = True, startup_timeout: float = 300, env: dict | None = None):
     """Start ``main.py --cpu`` of comfy_host.comfy_root() with the pack (and the test nodes) installed.
 
     ``extra`` are more main.py options (e.g. ``--use-pytorch-cross-attention``); ``models`` maps model kinds
-    to folders. Yields a ComfyClient (with the server's ``log`` path and ``pid``).
-    The server is stopped by its pid when the block ends, whatever happens inside.
+    to folders; ``env`` adds to the server's environment. Yields a ComfyClient (with the server's ``log`` path
+    and ``pid``). The server is stopped by its pid when the block ends, whatever happens inside.
     """
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -296,7 +344,7 @@ def comfy_server(workdir, *extra: str, models: dict | None = None, frontend: boo
     base_url = f"http://127.0.0.1:{port}"
     with open(log, "ab") as log_file:
         proc = subprocess.Popen(argv, cwd=comfy_host.comfy_root(), stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=server_env())
+                                stdin=subprocess.DEVNULL, env=server_env(env))
     client = None
     try:
         wait_until_serving(proc, base_url, log, startup_timeout)
