@@ -87,7 +87,8 @@ def check_half_ratio_merges(patched, model, sample, levels, tokens, bound=0.1, s
     out, reference = sample(patched), sample(model)
     assert out.shape == reference.shape and torch.isfinite(out).all()
     change = relative_l2(out, reference)
-    assert floor < change < bound, f"ratio 0.5 changed the output by {change:.3g} (relative L2), not in ({floor}, {bound})"
+    assert floor < change < bound, (f"ratio 0.5 changed the output by {change:.3g} (relative L2), "
+                                     f"not in ({floor}, {bound})")
     assert not runtime.report().unmerged, runtime.report().unmerged
     stats = runtime.summary()["levels"]
     assert sorted(stats) == sorted(levels)

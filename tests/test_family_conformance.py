@@ -69,7 +69,8 @@ def hunyuan15_text(config, glyphs=8, vision=9):
     def conditioning(batch, tokens, seed):
         g = torch.Generator().manual_seed(1000 + seed)
         glyph = torch.randn(batch, glyphs, models.BYT5_WIDTH, generator=g)
-        siglip = types.SimpleNamespace(last_hidden_state=torch.randn(batch, vision, config["vision_in_dim"], generator=g))
+        siglip = types.SimpleNamespace(
+            last_hidden_state=torch.randn(batch, vision, config["vision_in_dim"], generator=g))
         return models.text_conditioning(config["context_in_dim"], batch, tokens, seed, pooled_output=None,
                                         conditioning_byt5small=glyph, clip_vision_output=siglip)
     return conditioning
