@@ -70,14 +70,26 @@ def check_ratio_zero_identical(pack, model, sample, advanced=None):
         assert torch.equal(sample(node), reference)
 
 
-def check_half_ratio_merges(patched, model, sample, levels, tokens, bound=0.1, steps=2):
-    """``patched`` = (model, runtime) at ratio 0.5: same shape, finite, changed by less than ``bound``
-    (relative L2); the stats name exactly ``levels``, each with ``tokens`` tokens over ``steps`` steps and
-    half of them merged (rounding per edge window: within 1/16)."""
+# The least relative L2 change ratio 0.5 makes on a tiny random model over 2 steps, where its merges reach the
+# model: 1e-4, a sixth of the least measured in the conformance table (6.2e-4, HunyuanVideo at one latent frame;
+# every other row and case 1.1e-3 or more, in ComfyUI v0.3.75). A change near float rounding (issue 42:
+# 2.45e-6 on HunyuanVideo 1.5, with the log saying 3 of 4 blocks merge) is a merge that did not reach the model.
+MERGED_FLOOR = 1e-4
+
+
+def check_half_ratio_merges(patched, model, sample, levels, tokens, bound=0.1, steps=2, floor=MERGED_FLOOR):
+    """``patched`` = (model, runtime) at ratio 0.5: same shape, finite, changed by more than ``floor`` and
+    less than ``bound`` (relative L2); no block call ran unmerged (the run report's ``unmerged`` is empty:
+    the merged path, the attention override included, ran wherever the node merges); the stats name exactly
+    ``levels``, each with ``tokens`` tokens over ``steps`` steps and half of them merged (rounding per edge
+    window: within 1/16)."""
     patched, runtime = patched
     out, reference = sample(patched), sample(model)
     assert out.shape == reference.shape and torch.isfinite(out).all()
-    assert 0.0 < relative_l2(out, reference) < bound
+    change = relative_l2(out, reference)
+    assert floor < change < bound, (f"ratio 0.5 changed the output by {change:.3g} (relative L2), "
+                                     f"not in ({floor}, {bound})")
+    assert not runtime.report().unmerged, runtime.report().unmerged
     stats = runtime.summary()["levels"]
     assert sorted(stats) == sorted(levels)
     for level in stats.values():

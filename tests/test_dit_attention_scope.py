@@ -119,10 +119,10 @@ def test_failing_merge_runs_the_attention_unmerged(pack, flux, monkeypatch, capl
     runs unmerged, and the log says so once."""
     dit = pack.nodes.adapters.dit
 
-    def broken(self, q, k, v, mask):
+    def broken(self, q, k, v, heads, **kwargs):
         raise RuntimeError("merge broke")
 
-    monkeypatch.setattr(dit.MergedAttention, "merge", broken)
+    monkeypatch.setattr(dit.MergedAttention, "transform", broken)
     patched, _ = attention_scope(pack, flux)
     with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
         out = sample(patched)

@@ -14,6 +14,7 @@ ComfyUI's TorchCompileModel.
 import contextlib
 import importlib
 import math
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -72,6 +73,19 @@ def qwen_image21():
 
 
 QWEN_IMAGE21_TEXT = 32  # the stand-in's TINY context_in_dim
+def hunyuan15_text(config, glyphs=8, vision=9):
+    """HunyuanVideo 1.5: Qwen text, ``glyphs`` byT5 tokens and ``vision`` SigLIP tokens (the model puts them before
+    the text, in the order [vision, glyphs, text]), each batch row its own."""
+    def conditioning(batch, tokens, seed):
+        g = torch.Generator().manual_seed(1000 + seed)
+        glyph = torch.randn(batch, glyphs, models.BYT5_WIDTH, generator=g)
+        siglip = types.SimpleNamespace(
+            last_hidden_state=torch.randn(batch, vision, config["vision_in_dim"], generator=g))
+        return models.text_conditioning(config["context_in_dim"], batch, tokens, seed, pooled_output=None,
+                                        conditioning_byt5small=glyph, clip_vision_output=siglip)
+    return conditioning
+
+
 CURRENT, NEWEST, TREE_2026 = "tests/setup_current.sh", "tests/setup_newest.sh", "tests/setup_2026.sh"
 TREES = {CURRENT: ".comfyui-current", NEWEST: ".comfyui-newest", TREE_2026: ".comfyui-2026"}  # what each script makes
 IMAGE = {"odd": (27, 39), "square": (16, 16)}  # patch 2: 14x20 tokens (no window of 4 divides it), 8x8
@@ -112,9 +126,10 @@ ROWS = {
     "flux2": Row("FLUX", "Flux2", NEWEST, lambda: models.build_flux2(seed=51),
                  text(models.FLUX2_TINY["context_in_dim"], guidance=4.0, pooled_output=None), 128, 1,
                  {"odd": (13, 19), "square": (16, 16)}, (40, 77), "diffusion_model.single_blocks.2.linear2.weight"),
-    "hunyuan_video15": Row("HUNYUAN_VIDEO", "HunyuanVideo15", NEWEST, lambda: models.build_hunyuan_video15(seed=52),
-                           text(models.HUNYUAN_VIDEO15_TINY["context_in_dim"], pooled_output=None), 32, 1,
-                           {"odd": (7, 9), "square": (6, 6)}, (30, 77),
+    "hunyuan_video15": Row("HUNYUAN_VIDEO", "HunyuanVideo15", NEWEST,
+                           lambda: models.build_hunyuan_video15(seed=52, config=models.HUNYUAN_VIDEO15_BYT5_TINY),
+                           hunyuan15_text(models.HUNYUAN_VIDEO15_BYT5_TINY), 32, 1,
+                           {"odd": (13, 19), "square": (6, 6)}, (16, 77),
                            "diffusion_model.double_blocks.2.img_mlp.0.weight", video=True),
     "krea2": Row("KREA2", "Krea2", TREE_2026, lambda: models.build_krea2(seed=71),
                  text(models.KREA2_TINY["txtlayers"] * models.KREA2_TINY["txtdim"]), 16, 2, IMAGE, (23, 40),

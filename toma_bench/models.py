@@ -614,6 +614,11 @@ HUNYUAN_VIDEO15_FULL = dict(HUNYUAN_VIDEO_FULL, in_channels=65, out_channels=32,
 # Tiny, for tests: double blocks only, as in the real model (2 of 3 merge).
 HUNYUAN_VIDEO15_TINY = dict(HUNYUAN_VIDEO15_FULL, context_in_dim=64, hidden_size=64, num_heads=4, depth=3,
                             axes_dim=[4, 6, 6], vision_in_dim=32)
+# Tiny with every text input the checkpoint has, as model detection builds it (byT5 glyph tokens, the condition-type
+# embedding, SigLIP vision tokens before the text), four double blocks (3 merge), Qwen text of width 48: the model
+# of issue 42 (the default node barely changed its output in ComfyUI v0.3.75), the conformance table's row.
+HUNYUAN_VIDEO15_BYT5_TINY = dict(HUNYUAN_VIDEO15_TINY, context_in_dim=48, depth=4, byt5=True)
+BYT5_WIDTH = 1472  # the glyph encoder's width, which ByT5Mapper takes
 # The distilled super-resolution model: the low-resolution latent, its mask and more concatenated (98 channels).
 HUNYUAN_VIDEO15_SR_TINY = dict(HUNYUAN_VIDEO15_TINY, in_channels=98)
 

@@ -91,6 +91,12 @@ SLABS_TAKE_BLOCKS = ("merging slabs takes scope block (whole blocks: xfuser's at
 SPARSE = "left to core's sparse attention"
 FEED_FORWARD_COMPILED = "scope feed-forward under torch.compile"
 ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
+# The override-chain contract of later ComfyUI trees (comfy_extras/sparse_attention_history.py): an override
+# carries ``attention_preprocess_v1 = (transform, previous)``, ``transform(q, k, v, heads, **kwargs)`` giving the
+# (q, k, v) it hands to ``previous`` (the override it chains to; None: the attention function). Chain-auditing
+# code walks it to name each transform and the provider that runs the attention; an override without it is "an
+# unknown optimized-attention override" to them. Ours (MergedAttention, MergedKeysValues) carry it; they also
+# change the output after (unmerge, bias channels), which the contract leaves to the override itself.
 # Block groups, named by their role (the names plans, stats and the merge map use):
 TWO_STREAM = "two-stream"  # image and text in streams of their own, one joint attention (Flux's double blocks)
 JOINT = "joint"  # one sequence of text and image tokens (Flux's single blocks, NextDiT's layers)
@@ -435,6 +441,7 @@ class MergedAttention:
         self.runtime, self.plan, self.previous = runtime, plan, previous
         self.start, self.tokens, self.length = start, tokens, length
         self.proportional = proportional
+        self.attention_preprocess_v1 = (self.transform, previous)  # the chain contract (ATTENTION_OVERRIDE_KEY)
 
     def attend(self, func, *args, **kwargs):
         if self.previous is None:
@@ -447,7 +454,9 @@ class MergedAttention:
         return (not args and bool(kwargs.get("skip_reshape")) and not kwargs.get("skip_output_reshape")
                 and all(t.dim() == 4 and t.shape[2] == self.length for t in (q, k, v)))
 
-    def merge(self, q, k, v, mask):
+    def transform(self, q, k, v, heads, **kwargs):
+        """(q, k, v) as this override hands them on (``attention_preprocess_v1``): the image rows merged, with
+        ``proportional`` the key bias channels added; the output it gets back is unmerged after."""
         begin, end = self.start, self.start + self.tokens
 
         def merged(t):
@@ -456,11 +465,17 @@ class MergedAttention:
             rows = self.plan.merge(image).view(B, -1, H, D).transpose(1, 2)
             return torch.cat([t[:, :, :begin], rows, t[:, :, end:]], dim=2)
 
-        if mask is not None:
-            index = sequence_index(begin, self.tokens, self.length, self.plan.destination_tokens().to(mask.device))
-            mask = mask[None] if mask.dim() == 2 else mask
-            mask = take_sequence(take_sequence(mask, index, -1, self.length), index, -2, self.length)
-        return (merged(q), merged(k), merged(v)), mask
+        mq, mk, mv = merged(q), merged(k), merged(v)
+        if self.proportional:
+            mq, mk, mv = heads_with_key_bias(mq, mk, mv, self.key_bias(mq))
+        return mq, mk, mv
+
+    def merged_mask(self, mask):
+        if mask is None:
+            return None
+        index = sequence_index(self.start, self.tokens, self.length, self.plan.destination_tokens().to(mask.device))
+        mask = mask[None] if mask.dim() == 2 else mask
+        return take_sequence(take_sequence(mask, index, -1, self.length), index, -2, self.length)
 
     def unmerge(self, out):
         begin, end = self.start, self.start + self.plan.num_merged
@@ -481,9 +496,8 @@ class MergedAttention:
             return self.attend(func, q, k, v, heads, *args, **kwargs)
         try:
             with self.runtime.stage("merge"):
-                (mq, mk, mv), mask = self.merge(q, k, v, kwargs.get("mask"))
-                if self.proportional:
-                    mq, mk, mv = heads_with_key_bias(mq, mk, mv, self.key_bias(mq))
+                mq, mk, mv = self.transform(q, k, v, heads, **kwargs)
+                mask = self.merged_mask(kwargs.get("mask"))
             out = self.attend(func, mq, mk, mv, heads, **{**kwargs, "mask": mask})
             with self.runtime.stage("unmerge"):
                 if self.proportional:
@@ -521,6 +535,22 @@ class MergedKeysValues:
         self.runtime, self.spans, self.length = runtime, spans, length
         self.proportional, self.previous = proportional, previous
         self.served = False  # whether the block's self-attention came through (the block checks it after)
+        self.attention_preprocess_v1 = (self.transform, previous)  # the chain contract (ATTENTION_OVERRIDE_KEY)
+
+    def transform(self, q, k, v, heads, **kwargs):
+        """(q, k, v) as this override hands them on (``attention_preprocess_v1``): keys and values merged, every
+        query; with ``proportional`` the key bias channels added (the output's are dropped after)."""
+        axis = 2 if kwargs.get("skip_reshape") else 1
+        mq, mk, mv = q, self.merged_rows(k, axis), self.merged_rows(v, axis)
+        if not self.proportional:
+            return mq, mk, mv
+        d = q.shape[-1] if axis == 2 else q.shape[-1] // heads
+        if axis == 1:
+            mq, mk, mv = (t.view(*t.shape[:2], heads, d) for t in (mq, mk, mv))
+        mq, mk, mv = heads_with_key_bias(mq, mk, mv, self.key_bias(q.shape[0], q.device), token_axis=axis)
+        if axis == 1:
+            mq, mk, mv = (t.reshape(*t.shape[:2], -1) for t in (mq, mk, mv))
+        return mq, mk, mv
 
     def attend(self, func, *args, **kwargs):
         if self.previous is None:
@@ -579,20 +609,13 @@ class MergedKeysValues:
                     self.runtime.unmerged("attention call layout", "a self-attention mask does not cover the "
                                           "block's %d tokens; those attention calls run unmerged", self.length)
                     return self.attend(func, q, k, v, heads, *args, **kwargs)
-                mk, mv = self.merged_rows(k, axis), self.merged_rows(v, axis)
-                mq = q
-                if self.proportional:
-                    d = q.shape[-1] if axis == 2 else q.shape[-1] // heads
-                    if axis == 1:
-                        mq, mk, mv = (t.view(*t.shape[:2], heads, d) for t in (mq, mk, mv))
-                    mq, mk, mv = heads_with_key_bias(mq, mk, mv, self.key_bias(q.shape[0], q.device), token_axis=axis)
-                    if axis == 1:
-                        mq, mk, mv = (t.reshape(*t.shape[:2], -1) for t in (mq, mk, mv))
+                mq, mk, mv = self.transform(q, k, v, heads, **keywords)
             if "mask" in keywords:
                 keywords["mask"] = mask
             out = self.attend(func, mq, mk, mv, heads, **keywords)
             if not self.proportional:
                 return out
+            d = q.shape[-1] if axis == 2 else q.shape[-1] // heads
             if keywords.get("skip_output_reshape"):  # (B, H, L, e)
                 return out[..., :d]
             return out.view(*out.shape[:2], heads, padded_head(d))[..., :d].reshape(*out.shape[:2], heads * d)
