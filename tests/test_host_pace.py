@@ -104,8 +104,8 @@ def test_host_bound_runs_stop_merging_after_the_deciding_calls_said_once(pack, u
             assert len(stand_in.made) == 2 * deciding and all(e.recorded for e in stand_in.made)
             paced = {"reason": "the host sets the pace", "after_calls": deciding, "unmerged_calls": STEPS - deciding}
             assert runtime.report().host_paced == paced and runtime.summary()["host_paced"] == paced
-            assert "ran unmerged: the host sets the pace (merging stopped after 3 model calls; 3 model calls " \
-                   "unmerged)" in pack.nodes.live_stats.stats_lines(runtime.summary())
+            assert (f"ran unmerged: the host sets the pace (merging stopped after {deciding} model calls; "
+                    f"{STEPS - deciding} model calls unmerged)") in pack.nodes.live_stats.stats_lines(runtime.summary())
     said = paced_warnings(caplog)
     assert len(said) == 1 and "TOMA_HOST_PACE=off" in said[0], said  # once, though both runs stopped
 
@@ -142,8 +142,9 @@ def test_every_run_decides_anew(pack, unet):
 def test_one_gpu_bound_call_among_the_deciding_ones_keeps_merging(pack, unet):
     patched = toma(pack, unet)
     runtime = pack.nodes.runtime.runtime_of(patched)
-    stand_in = runtime.pace.events = StandIn(**HOST_BOUND)
-    answers = iter([True, False, True])  # the second call's end not reached when the third began
+    runtime.pace.events = StandIn(**HOST_BOUND)
+    verdicts = [True] * (runtime.pace.deciding_calls - 1) + [False]
+    answers = iter(verdicts)  # the last deciding call's end not reached when the next call began
 
     def query(event):
         event.queried = True
@@ -155,7 +156,7 @@ def test_one_gpu_bound_call_among_the_deciding_ones_keeps_merging(pack, unet):
         sample(patched)
     finally:
         StandInEvent.query = stand_in_query
-    assert runtime.pace.verdicts == [True, False, True]
+    assert runtime.pace.verdicts == verdicts
     assert merged_steps(runtime) == set(range(STEPS)) and runtime.report().host_paced is None
 
 

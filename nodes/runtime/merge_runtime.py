@@ -314,16 +314,15 @@ class MergeRuntime:
         step (kijai's WanVideoSampler), as for calls located by their sigmas."""
         self._unreported = True
         self.stages.use(device)
+        paced = self.paced_by_host()  # the rest of the run runs unmerged: no plan is built or used, no seed drawn
         generator = self.generator(device)  # made here: a generator cannot be made (nor used) in traced code
-        seed = draw_seed(generator).to(device) if getattr(self.strategy, "draws_seed", False) else None
+        seed = draw_seed(generator).to(device) if getattr(self.strategy, "draws_seed", False) and not paced else None
         decisions = {}
         for key in self._keys:
             if key.rows == (batch, layout) and key not in self._failed:
-                decisions[key] = self.decide(where, key)
-        fresh = self.decide(where, FRESH)
+                decisions[key] = NO_MERGE if paced else self.decide(where, key)
+        fresh = NO_MERGE if paced else self.decide(where, FRESH)
         self.strategy.schedule.forget(FRESH)
-        if self.paced_by_host():  # the rest of the run runs unmerged: no plan is built or used
-            decisions, fresh = dict.fromkeys(decisions, NO_MERGE), NO_MERGE
         return ModelCall(where, decisions, fresh, seed, device)
 
     def paced_by_host(self) -> bool:
