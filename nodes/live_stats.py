@@ -22,7 +22,8 @@ EVENT = "comfyui_toma.stats"
 def stats_lines(summary: dict) -> list[str]:
     """Short human lines for a runtime summary: one per merged level (most tokens first), one per level
     left to another node (the node named, and what it did), one per reason block calls ran unmerged
-    (``MergeRuntime.unmerged``: the calls counted), or why nothing merges, then the shares
+    (``MergeRuntime.unmerged``: the calls counted), one where the host set the pace and the run stopped
+    merging (``host_paced``: the model calls before and after), or why nothing merges, then the shares
     of the sampling wall time spent selecting destinations, merging and unmerging (device time from CUDA
     events on CUDA, host time elsewhere: the summary's ``clock``); before those shares, what the patched
     model does otherwise than its node asks (``caveats``)."""
@@ -32,6 +33,11 @@ def stats_lines(summary: dict) -> list[str]:
               for name, left in summary.get("left_to", {}).items()]
     lines += [f"ran unmerged: {reason} ({calls} block call{'s' if calls != 1 else ''})"
               for reason, calls in summary.get("unmerged", {}).items()]
+    paced = summary.get("host_paced")
+    if paced:
+        after = paced["unmerged_calls"]
+        lines.append(f"ran unmerged: {paced['reason']} (merging stopped after {paced['after_calls']} model calls; "
+                     f"{after} model call{'s' if after != 1 else ''} unmerged)")
     if not lines:
         lines = [f"nothing merges: {why}" for why in summary.get("nothing_merges", ())] or \
                 ["no step merged (no matching level or outside start/end percent)"]

@@ -15,6 +15,7 @@ from .adapters import (adapter_for, attention_placement_families, family_names, 
 from .inputs import check_inputs
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
+from .runtime.pace import HostPace, rule_on
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -67,7 +68,9 @@ def apply_strategy(model, strategy, levels="auto", scope: str = "auto", unique_i
         log.warning("ToMA: %s is not supported by %s (supported: %s); returning the model unpatched",
                     type(model.model).__name__, strategy.name, supported_families())
         return model
-    runtime = MergeRuntime(strategy, model_sampling_of(model))
+    # ToMA stops merging for a run where the host sets its pace (runtime/pace.py); the baselines run as published
+    pace = HostPace() if isinstance(strategy, ToMA) and rule_on() else None
+    runtime = MergeRuntime(strategy, model_sampling_of(model), pace)
     patched = adapter.patch(model, runtime, levels, scope)
     return patched if patched is model else watched(patched, runtime, unique_id)
 

@@ -47,8 +47,14 @@ def main():
                 costmodel.Variant("ToMA r=0.5", patch=lambda m: advanced.patch(m, 0.5, 4, 5, scope="attention")[0]),
                 costmodel.Variant("CA-ToMe, no fixed count", patch=lambda m: tn.CAToMePatchModel().patch(m, 0.7)[0]),
                 costmodel.Variant("CA-ToMe, count fixed", patch=lambda m: tn.CAToMePatchModel().patch(m, 0.7)[0],
-                                  meta_scalar=64)]
+                                  meta_scalar=64),
+                costmodel.Variant("ToMA default (r=0.5)", patch=lambda m: tn.ToMAPatchModel().patch(m, 0.5, 4, 5)[0])]
     recorded = costmodel.record_model(sd15, pack, 5, variants, progress=lambda _: None)
+    # the node's default with the host-pace rule: its run recorded again with the rule stopping merging
+    default = recorded[-1]
+    out["paced"] = {"rule": default.pace_rule, "others": [r.paced is not None for r in recorded[:-1]],
+                    "merged_calls": [any(op.stage for op in call) for call in default.calls],
+                    "paced_merged_calls": [any(op.stage for op in call) for call in default.paced.calls]}
     rows = costmodel.price(recorded, costmodel.PROFILES["h200"], "pipelined", sweep=True)
     out["sd15"] = {rec.label: {"attention_keys": sorted({op.key_len for call in rec.calls for op in call
                                                        if op.cls.startswith("attention")}),

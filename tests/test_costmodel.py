@@ -351,6 +351,49 @@ def test_kernel_budget_counts_what_the_default_adds_by_stage():
     assert costmodel.kernel_budget([recorded("unpatched", [model])], H200) is None
 
 
+def test_the_default_is_recorded_again_with_the_host_pace_rule_stopping(probe):
+    paced = probe["paced"]
+    deciding, _ = paced["rule"]
+    assert paced["merged_calls"] == [True] * 5
+    assert paced["paced_merged_calls"] == [True] * deciding + [False] * (5 - deciding)
+    assert not any(paced["others"])  # only the node's default row: other settings and the baselines have none
+
+
+def test_the_host_pace_rule_is_priced_where_the_clock_finds_the_host_setting_the_pace():
+    def recorded(label, calls, paced=None):
+        return costmodel.Recorded(label, calls, len(calls), [], True, [], paced=paced,
+                                  pace_rule=None if paced is None else (2, 0.05))
+
+    def run(model, merged, stopped_after=None):
+        calls = [model + merged if stopped_after is None or i < stopped_after else model for i in range(6)]
+        return recorded("ToMA default" if stopped_after is None else "stopped", calls)
+
+    merging = [op(nbytes=10, stage="merge")] * 40  # what merging adds: kernels, little GPU work
+    for model, host_bound in (([op("gemm", flops=10**9)] + [op(nbytes=10)] * 200, True), ([op("gemm", flops=10**13)] * 2, False)):
+        cost = gpuclock.call_cost(model + merging, H200)
+        assert cost.host_bound(0.05) == host_bound and cost.host_end > 0 and cost.gpu_end > 0
+        base = recorded("unpatched", [model] * 6)
+        default = run(model, merging)
+        default.paced, default.pace_rule = run(model, merging, stopped_after=2), (2, 0.05)
+        ran, stops = costmodel.with_rule(default, H200, "pipelined", "eager")
+        assert stops == host_bound and ran is (default.paced if host_bound else default)
+        for regime in ("graphs", "compiled"):  # under torch.compile the rule stays out
+            assert costmodel.with_rule(default, H200, "pipelined", regime) == (default, False)
+        rows = costmodel.price([base, default], H200, "pipelined", sweep=True)
+        assert [r.label for r in rows] == ["unpatched", "ToMA default", "ToMA default + host-pace rule"]
+        rule = rows[-1]
+        assert rule.flag == ("host-bound: merging stops after 2 calls" if host_bound else "GPU-bound: merges on")
+        assert rule.speed_range is not None
+        if host_bound:  # 2 of 6 calls pay for the merging: between the default and unpatched
+            assert rows[1].speed_up < rule.speed_up < 1.0
+            assert rule.ms_per_step == pytest.approx(rows[1].ms_per_step / 3 + rows[0].ms_per_step * 2 / 3)
+        else:
+            assert rule.speed_up == rows[1].speed_up
+    assert recorded("ToMA default", [[op()]]).paced is None
+    assert costmodel.with_rule(recorded("ToMA default", [[op()]]), H200, "pipelined") == (
+        recorded("ToMA default", [[op()]]), False)
+
+
 def test_variants_are_chosen_by_parts_of_their_labels():
     variants = [costmodel.Variant(label) for label in ("unpatched", "ToMA default (r=0.75)", "ToMA r=0.5", "ToMeSD r=0.5")]
     assert [v.label for v in costmodel.select_variants(variants, ["default"])] == ["unpatched", "ToMA default (r=0.75)"]

@@ -12,7 +12,9 @@ CFG batched as ComfyUI batches it; every aten op of every model call is recorded
 so steps that select destinations and steps that reuse them are weighed as the node's schedule has them;
 the ops are then priced by a hardware profile (toma_bench.gpuclock) in each regime (eager; graph replay;
 torch.compile's inductor as ComfyUI's TorchCompileModel node compiles, the host launching every fused kernel;
-inductor with graph replay, mode reduce-overhead: gpuclock.REGIMES). For the node's default, the kernel budget
+inductor with graph replay, mode reduce-overhead: gpuclock.REGIMES). The node's default is also priced with the
+host-pace rule (a second run, recorded with the rule judging every call host-bound: ``with_rule``, COLUMNS). For
+the node's default, the kernel budget
 says how many kernels it adds a step and where (selection, merge, unmerge), and what a host that issues
 them one by one pays for them. A run of one step first fills the
 pack's per-process host caches (plan geometry), which a real run pays once. LTX-2, whose classes come from
@@ -427,6 +429,10 @@ class Recorded:
     patched_by_pack: bool
     failed: list
     traced: "Recorded | None" = None  # the same run with the pack's engine as torch.compile traces it
+    # the same run where the host-pace rule (nodes/runtime/pace.py) judges every call host-bound: merging stops
+    # after the deciding calls; and the rule's (deciding calls, slack), read from the runtime that recorded it
+    paced: "Recorded | None" = None
+    pace_rule: tuple | None = None
     _fused: list | None = dataclasses.field(default=None, repr=False)
 
     def calls_in(self, regime: str) -> list:
@@ -475,7 +481,23 @@ def empty_latent(shape: tuple):
     return comfy.nested_tensor.NestedTensor([torch.zeros(s) for s in shape])
 
 
-def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Recorded:
+class HostBoundEvent:
+    """A device event as the host-pace rule sees one where the host sets the pace: reached at once, the GPU's
+    span nothing (the recording on the meta device has no device events of its own)."""
+
+    def record(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
+
+
+def record_variant(base, spec: Spec, variant: Variant, pack, steps: int, host_bound: bool = False) -> Recorded:
+    """One sampling run of ``variant`` recorded; ``host_bound``: with the host-pace rule of its runtimes judging
+    every call host-bound (``HostBoundEvent``), so it stops merging after its deciding calls."""
     import comfy.sample
     import comfy.samplers
 
@@ -488,6 +510,9 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
         runtimes = pack.nodes.runtime.runtimes_of(model)
     except ValueError:
         pass
+    paces = [runtime.pace for runtime in runtimes if runtime.pace is not None]
+    for pace in paces if host_bound else ():
+        pace.events = lambda device: HostBoundEvent()
     holder = {}
 
     def wrapper(apply_model, args):
@@ -530,7 +555,8 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int) -> Reco
     for runtime in runtimes:
         for v in runtime.summary()["levels"].values():
             merged.append((run.level_text(v), v["tokens"], v["merged_tokens"]))
-    return Recorded(variant.label, rec.calls, steps, merged, bool(runtimes), failed.messages)
+    rule = (paces[0].deciding_calls, paces[0].slack) if paces else None
+    return Recorded(variant.label, rec.calls, steps, merged, bool(runtimes), failed.messages, pace_rule=rule)
 
 
 # -- pricing and tables ------------------------------------------------------------------------------------
@@ -573,9 +599,27 @@ def merged_text(recorded: Recorded) -> tuple[str, str]:
     return text or "nothing", flag
 
 
+RULE_SUFFIX = " + host-pace rule"
+
+
+def with_rule(recorded: Recorded, hw: Hardware, how: str, regime: str = "eager") -> tuple[Recorded, bool]:
+    """What runs where the host-pace rule (nodes/runtime/pace.py) runs beside ``recorded``'s variant on ``hw`` in
+    ``regime``, and whether the rule stops merging: the recording in which merging stops after the deciding calls
+    (``Recorded.paced``) where the clock judges each of the first merged calls host-bound (``CallCost.host_bound``),
+    the variant's own recording elsewhere. Under torch.compile (every regime but eager) the rule stays out."""
+    if recorded.paced is None or REGIMES[regime].traced:
+        return recorded, False
+    deciding, slack = recorded.pace_rule
+    costs = per_step(recorded, hw, how, regime)[0]
+    merged = [cost for ops, cost in zip(recorded.calls, costs) if any(op.stage for op in ops)][:deciding]
+    stops = len(merged) == deciding and all(cost.host_bound(slack) for cost in merged)
+    return (recorded.paced, True) if stops else (recorded, False)
+
+
 def price(recorded: list[Recorded], hw: Hardware, how: str, sweep: bool, regime: str = "eager") -> list[Priced]:
-    """Each recording priced on ``hw`` in ``regime`` against the first (unpatched); with ``sweep``, the
-    range of speed-ups over gpuclock.swept and the other way of adding up."""
+    """Each recording priced on ``hw`` in ``regime`` against the first (unpatched), and after each that the
+    host-pace rule runs beside (``Recorded.paced``: the node's default) a row with the rule (``with_rule``); with
+    ``sweep``, the range of speed-ups over gpuclock.swept and the other way of adding up."""
     base = recorded[0]
     _, base_step = per_step(base, hw, how, regime)
     base_flops = sum(op.flops for ops in base.calls for op in ops) / base.steps
@@ -586,24 +630,40 @@ def price(recorded: list[Recorded], hw: Hardware, how: str, sweep: bool, regime:
         for r in recorded:
             ups = [b / per_step(r, p, h, regime)[1] for b, (p, h) in zip(base_steps, settings)]
             ranges[r.label] = (min(ups), max(ups))
+            if r.paced is not None:
+                ups = [b / per_step(with_rule(r, p, h, regime)[0], p, h, regime)[1]
+                       for b, (p, h) in zip(base_steps, settings)]
+                ranges[r.label + RULE_SUFFIX] = (min(ups), max(ups))
     rows = []
     for r in recorded:
-        costs, step = per_step(r, hw, how, regime)
-        ops = [op for call in r.calls for op in call]
-        flops = sum(op.flops for op in ops) / r.steps
-        stages = {k: 100 * sum(c.stages[k] for c in costs) / r.steps / step for k in ("select", "merge", "unmerge")}
-        classes = {}
-        for c in costs:
-            for k, v in c.classes.items():
-                classes[k] = classes.get(k, 0.0) + 1000 * v / r.steps
-        text, flag = merged_text(r)
-        rows.append(Priced(r.label, regime, 1000 * step, base_step / step, ranges.get(r.label), flops / 1e9,
-                           None if r is base else 100 * (1 - flops / base_flops), stages,
-                           sum(c.kernels for c in costs) / r.steps,
-                           sum(op.sync for op in ops) / max(1, len(r.calls)),
-                           1000 * sum(c.gpu for c in costs) / r.steps, 1000 * sum(c.host for c in costs) / r.steps,
-                           classes, text, flag))
+        rows.append(priced_row(r, r.label, hw, how, regime, base, base_step, base_flops, ranges))
+        if r.paced is not None:
+            ran, stops = with_rule(r, hw, how, regime)
+            label = r.label + RULE_SUFFIX
+            row = priced_row(ran, label, hw, how, regime, base, base_step, base_flops, ranges)
+            row.flag = (f"host-bound: merging stops after {r.pace_rule[0]} calls" if stops else
+                        "off under torch.compile" if REGIMES[regime].traced else "GPU-bound: merges on")
+            rows.append(row)
     return rows
+
+
+def priced_row(r: Recorded, label: str, hw: Hardware, how: str, regime: str, base: Recorded, base_step: float,
+               base_flops: float, ranges: dict) -> Priced:
+    costs, step = per_step(r, hw, how, regime)
+    ops = [op for call in r.calls for op in call]
+    flops = sum(op.flops for op in ops) / r.steps
+    stages = {k: 100 * sum(c.stages[k] for c in costs) / r.steps / step for k in ("select", "merge", "unmerge")}
+    classes = {}
+    for c in costs:
+        for k, v in c.classes.items():
+            classes[k] = classes.get(k, 0.0) + 1000 * v / r.steps
+    text, flag = merged_text(r)
+    return Priced(label, regime, 1000 * step, base_step / step, ranges.get(label), flops / 1e9,
+                  None if r is base else 100 * (1 - flops / base_flops), stages,
+                  sum(c.kernels for c in costs) / r.steps,
+                  sum(op.sync for op in ops) / max(1, len(r.calls)),
+                  1000 * sum(c.gpu for c in costs) / r.steps, 1000 * sum(c.host for c in costs) / r.steps,
+                  classes, text, flag)
 
 
 COLUMNS = """Columns:
@@ -620,6 +680,11 @@ COLUMNS = """Columns:
   GPU/host ms   total GPU time and host time per step (pipelined, they overlap)
   merged        each merged level or block group: tokens -> merged tokens (MERGED NOTHING flags a patched
                 variant whose every plan fell back to running unmerged)
+
+The row "<default> + host-pace rule" prices the node's default with the rule that stops merging for a run where
+the host sets the pace (nodes/runtime/pace.py): where the clock finds the GPU done within the rule's slack of the
+host in each of the first merged calls, the run as recorded with merging stopped after those calls ("stops" in
+the table by profile and regime); elsewhere, and under torch.compile (every regime but eager), the default's.
 
 Regimes (--regimes; toma_bench.gpuclock.REGIMES):
 """ + "\n".join(f"  {r.name:<12}  {r.title}" for r in REGIMES.values())
@@ -647,7 +712,7 @@ def profile_table(priced: dict) -> str:
 
     def cell(r):
         rng = "" if r.speed_range is None else f" ({r.speed_range[0]:.2f}-{r.speed_range[1]:.2f})"
-        return f"{r.speed_up:.2f}x{rng}"
+        return f"{r.speed_up:.2f}x{rng}" + (" stops" if r.flag.startswith("host-bound") else "")
 
     body = [[row.label] + [cell(priced[n][i]) for n in names] for i, row in enumerate(priced[names[0]])]
     return format_table(head, body)
@@ -920,6 +985,8 @@ def record_model(spec: Spec, pack, steps: int, variants=None, progress=print, wa
         for variant in variants:
             started = time.perf_counter()
             out.append(record_variant(base, spec, variant, pack, steps))
+            if out[-1].pace_rule is not None and out[-1].label.startswith(DEFAULT_LABEL):
+                out[-1].paced = record_variant(base, spec, variant, pack, steps, host_bound=True)
             if traced and out[-1].patched_by_pack:
                 with traced_form(pack):
                     out[-1].traced = record_variant(base, spec, variant, pack, steps)

@@ -256,7 +256,9 @@ def fused(ops: list[Op]) -> list[Op]:
 class CallCost:
     """What one model call costs under a profile: seconds (the chosen way of adding up), the GPU and host
     totals, the critical seconds of each merge stage (each op's larger of GPU and host time), GPU
-    seconds per op class, and the kernels launched (after fusion) and graphs replayed or entered."""
+    seconds per op class, and the kernels launched (after fusion) and graphs replayed or entered; pipelined,
+    when the host is done issuing the call (``host_end``) and when the GPU is done running it (``gpu_end``),
+    both from the call's start."""
 
     seconds: float
     gpu: float
@@ -265,6 +267,13 @@ class CallCost:
     classes: dict
     kernels: int = 0
     graphs: int = 0
+    host_end: float = 0.0
+    gpu_end: float = 0.0
+
+    def host_bound(self, slack: float) -> bool:
+        """Whether the host-pace rule (nodes/runtime/pace.py) judges the call host-bound: the GPU, which starts
+        the call with the host (every call starts with an empty queue), done within ``slack`` of the host."""
+        return self.gpu_end <= self.host_end * (1 + slack)
 
 
 def call_cost(ops: list[Op], hw: Hardware, how: str = "pipelined", regime: Regime | str = "eager",
@@ -319,4 +328,4 @@ def call_cost(ops: list[Op], hw: Hardware, how: str = "pipelined", regime: Regim
         if op.stage is not None:
             stages[op.stage] += max(g, h)
     seconds = max(host, gpu) if how == "pipelined" else host_total + gpu_total
-    return CallCost(seconds, gpu_total, host_total, stages, classes, kernels, graphs)
+    return CallCost(seconds, gpu_total, host_total, stages, classes, kernels, graphs, host, gpu)

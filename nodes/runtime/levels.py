@@ -111,7 +111,9 @@ class RunReport:
     that could not be built (their blocks run unmerged). unmerged: reason -> block calls that ran unmerged
     although the node would merge them (``MergeRuntime.unmerged``). seconds: time per stage (``clock`` says which
     clock); wall_seconds: the run's wall time so far (None outside a run). caveats: what the patched model
-    does otherwise than its node asks, in words (MergeRuntime.caveat)."""
+    does otherwise than its node asks, in words (MergeRuntime.caveat). host_paced: where the host set the
+    run's pace and merging stopped for the rest of the run (runtime.pace: the reason, the merged model calls
+    before the stop, the model calls run unmerged after it), None where merging went on."""
 
     method: str
     steps: int | None
@@ -129,6 +131,7 @@ class RunReport:
     wall_seconds: float | None
     caveats: tuple = ()
     untimed: bool = False
+    host_paced: dict | None = None
 
     def summary(self) -> dict:
         """The report as JSON (stats message, run listeners): levels by label, each with its fields, in
@@ -147,6 +150,7 @@ class RunReport:
             "wall_seconds": self.wall_seconds,
             "caveats": list(self.caveats),
             "untimed": self.untimed,
+            "host_paced": None if self.host_paced is None else dict(self.host_paced),
         }
 
 

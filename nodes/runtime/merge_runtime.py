@@ -19,12 +19,14 @@ import torch
 from ...toma_core.selection import draw_seed, seed_stream
 from ..host import sparse_attention_min_tokens
 from .levels import Level, LeftTo, LevelStats, PlanKey, RunReport, batch_key, grid_in_words
+from .pace import ENV, REASON, HostPace
 from .records import record_plan
 from .stages import StageClock
 from .steps import StepLocator, Where
 
 log = logging.getLogger("ComfyUI-ToMA")
 FRESH = "a plan key not seen yet"  # the schedule's group for the decision a new key gets
+NO_MERGE = (False, False, False)  # a decision (merge, new destinations, new weights) that runs a block unmerged
 
 
 class ModelCall:
@@ -37,11 +39,13 @@ class ModelCall:
     is replayed after the graph. The call's random seed (``seed``) is drawn here too, for the same reason:
     a generator cannot be used in traced code, a seed tensor is a graph input like any other."""
 
-    def __init__(self, where: Where, decisions: dict, fresh: tuple[bool, bool, bool], seed: torch.Tensor | None):
+    def __init__(self, where: Where, decisions: dict, fresh: tuple[bool, bool, bool], seed: torch.Tensor | None,
+                 device: torch.device | None = None):
         self.where = where  # host side only: never read in a block call
         self.decisions = decisions  # PlanKey -> (merge, new destinations, new weights)
         self.fresh = fresh  # the decision of a plan key this run has not seen yet
         self.seed = seed  # int64 scalar from the run's generator, for a strategy that draws_seed
+        self.device = device  # where the call runs (host side: the host-pace rule's events)
         self.compiled = False  # whether the diffusion model runs under torch.compile (compiled_model)
         self.seeds_taken = 0  # plans built from it in this call: each takes the next stream of it
         self.first_seen: list = []  # such keys, handed to the schedule after the call
@@ -66,8 +70,9 @@ def compiled_model(apply_model, transformer_options) -> bool:
 class MergeRuntime:
     """Step location, plan cache and stats for one patched model."""
 
-    def __init__(self, strategy, model_sampling):
+    def __init__(self, strategy, model_sampling, pace: HostPace | None = None):
         self.strategy = strategy
+        self.pace = pace  # the rule that stops merging for a run where the host sets the pace (None: no rule)
         self.name = strategy.name
         self.steps = StepLocator(model_sampling)
         self.stages = StageClock(("select", "merge", "unmerge"))
@@ -146,6 +151,8 @@ class MergeRuntime:
         self._call = self._loose = None
         self.stages.reset()
         self.strategy.schedule.reset()
+        if self.pace is not None:
+            self.pace.reset()
         self.steps.begin(schedule, model_sampling)
         self._short_run = self.short_run_in_words(self.steps.total)
         if self._short_run is not None:
@@ -274,8 +281,14 @@ class MergeRuntime:
         """``model(*args, **kwargs)`` as the model call ``call`` (None: a call the host did not locate): its
         block calls read the decisions settled for it, and what it merged reaches the stats after it."""
         self._call = call
+        # the call's start on the device, where the host-pace rule judges it (eager only: pace.py says why)
+        device = None if call is None else call.device
+        started = None if self.pace is None or call is None or call.compiled else self.pace.start(device)
         try:
-            return model(*args, **kwargs)
+            out = model(*args, **kwargs)
+            if started is not None:  # the host is done issuing the call
+                self.pace.finish(started, device, bool(call.merged))
+            return out
         finally:
             self._call = None
             if call is not None:
@@ -301,15 +314,30 @@ class MergeRuntime:
         step (kijai's WanVideoSampler), as for calls located by their sigmas."""
         self._unreported = True
         self.stages.use(device)
+        paced = self.paced_by_host()  # the rest of the run runs unmerged: no plan is built or used, no seed drawn
         generator = self.generator(device)  # made here: a generator cannot be made (nor used) in traced code
-        seed = draw_seed(generator).to(device) if getattr(self.strategy, "draws_seed", False) else None
+        seed = draw_seed(generator).to(device) if getattr(self.strategy, "draws_seed", False) and not paced else None
         decisions = {}
         for key in self._keys:
             if key.rows == (batch, layout) and key not in self._failed:
-                decisions[key] = self.decide(where, key)
-        fresh = self.decide(where, FRESH)
+                decisions[key] = NO_MERGE if paced else self.decide(where, key)
+        fresh = NO_MERGE if paced else self.decide(where, FRESH)
         self.strategy.schedule.forget(FRESH)
-        return ModelCall(where, decisions, fresh, seed)
+        return ModelCall(where, decisions, fresh, seed, device)
+
+    def paced_by_host(self) -> bool:
+        """Whether the host sets this run's pace, so the model call beginning now runs unmerged: the previous
+        merged call judged (``HostPace.judge``, no wait), and the rule's stop said once in the log."""
+        if self.pace is None:
+            return False
+        if self.pace.judge():
+            self.notice("%s runs the rest of the run unmerged: %s (the GPU waited for the host's kernels in the "
+                        "first %d model calls that merged, so merging would only add kernels); %s=off keeps merging",
+                        self.name, REASON, self.pace.stopped_after, ENV, key=("unmerged", REASON))
+        if self.pace.stopped:
+            self._unreported = True
+            self.pace.unmerged_calls += 1
+        return self.pace.stopped
 
     def decide(self, where: Where, key: PlanKey) -> tuple[bool, bool, bool]:
         """The schedule's decision for ``key`` at ``where``, as (merge, new destinations, new weights)."""
@@ -497,7 +525,7 @@ class MergeRuntime:
             left_to=dict(self._left_to), nothing_merges=tuple(sorted(self._idle)), failed=frozenset(self._failed),
             unmerged=dict(self._unmerged),
             seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall, caveats=tuple(self.caveats),
-            untimed=self.stages.untimed)
+            untimed=self.stages.untimed, host_paced=None if self.pace is None else self.pace.summary())
 
     def summary(self) -> dict:
         """The report as JSON (``RunReport.summary``), what the run listeners get."""
