@@ -68,7 +68,8 @@ class Preset:
     ``weights_interval``, ``start_percent`` and ``merge_every`` are the basic node's; the Advanced node
     shows them as inputs of its own. ``short_run``: how both nodes' schedule changes in runs of few steps
     (distilled models; None: it does not). ``ratio`` and ``window_size`` are what the ratio's -1 and the window's
-    0 ("auto", the inputs' defaults) mean on both nodes."""
+    0 ("auto", the inputs' defaults) mean on both nodes; ``rotation``, what the rotation input's "auto" means
+    (destinations that rotate: toma_core.plan.ROTATION_STRENGTH), on where the fronts show it pays."""
 
     scope: str
     ratio: float = 0.75
@@ -81,6 +82,7 @@ class Preset:
     merge_every: int = 1
     window_size: int = 4  # what the node's window_size 0 ("auto") means
     short_run: ShortRun | None = None
+    rotation: bool = False
 
 
 KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image DiTs", "video": "video DiTs"}
@@ -121,6 +123,12 @@ def values_in_words(name: str) -> list[tuple[object, str]]:
     for kind, preset in PRESETS.items():
         values.setdefault(getattr(preset, name), []).append(KIND_NAMES[kind])
     return [(v, " and ".join(names) if len(names) < 3 else ", ".join(names)) for v, names in sorted(values.items())]
+
+
+def rotation_in_words() -> str:
+    """Which kinds of model rotate destinations under the rotation input's "auto", for its tooltip."""
+    kinds = [KIND_NAMES[kind] for kind, preset in PRESETS.items() if preset.rotation]
+    return f"on for {', '.join(kinds)}, off for the others" if kinds else "off on every kind of model"
 
 
 def auto_in_words() -> str:

@@ -111,7 +111,10 @@ class RunReport:
     that could not be built (their blocks run unmerged). unmerged: reason -> block calls that ran unmerged
     although the node would merge them (``MergeRuntime.unmerged``). seconds: time per stage (``clock`` says which
     clock); wall_seconds: the run's wall time so far (None outside a run). caveats: what the patched model
-    does otherwise than its node asks, in words (MergeRuntime.caveat)."""
+    does otherwise than its node asks, in words (MergeRuntime.caveat). rotation: the strength of rotating
+    destinations (0: off); destinations_kept: the share of the destinations of the run's rebuilt plans that
+    were destinations at the previous build of their key too (None: no plan rebuilt, rotation off, or plans
+    without values, the cost model's)."""
 
     method: str
     steps: int | None
@@ -129,6 +132,8 @@ class RunReport:
     wall_seconds: float | None
     caveats: tuple = ()
     untimed: bool = False
+    rotation: float = 0.0
+    destinations_kept: float | None = None
 
     def summary(self) -> dict:
         """The report as JSON (stats message, run listeners): levels by label, each with its fields, in
@@ -147,6 +152,8 @@ class RunReport:
             "wall_seconds": self.wall_seconds,
             "caveats": list(self.caveats),
             "untimed": self.untimed,
+            "rotation": {"strength": self.rotation, "destinations_kept": self.destinations_kept} if self.rotation
+            else None,
         }
 
 
