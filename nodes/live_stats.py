@@ -25,8 +25,8 @@ def stats_lines(summary: dict) -> list[str]:
     (``MergeRuntime.unmerged``: the calls counted), or why nothing merges, then the shares
     of the sampling wall time spent selecting destinations, merging and unmerging (device time from CUDA
     events on CUDA, host time elsewhere: the summary's ``clock``); before those shares, whether destinations
-    rotate (and how many a rebuilt plan kept from its key's previous build), and what the patched model
-    does otherwise than its node asks (``caveats``)."""
+    rotate where a level merged (and how many a rebuilt plan kept from its key's previous build), and what
+    the patched model does otherwise than its node asks (``caveats``)."""
     levels = sorted(summary["levels"].items(), key=lambda item: -item[1]["tokens"])  # as the merge map counts
     lines = [f"{name}: {v['tokens']} -> {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
     lines += [f"{name}: left to {left['node']}, which {left['why']}"
@@ -37,7 +37,7 @@ def stats_lines(summary: dict) -> list[str]:
         lines = [f"nothing merges: {why}" for why in summary.get("nothing_merges", ())] or \
                 ["no step merged (no matching level or outside start/end percent)"]
     rotation = summary.get("rotation")
-    if rotation:
+    if rotation and summary["levels"]:
         kept = rotation["destinations_kept"]
         lines.append(f"rotation on (strength {rotation['strength']:g}): " + (
             "no plan rebuilt" if kept is None else

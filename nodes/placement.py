@@ -92,27 +92,31 @@ KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image Di
 # DiTs, video DiTs (toma_nodes.preset_of: the UNet adapter's preset_kind(model), a DiT declaration's video).
 PRESETS = {
     # keys/values at window 8 with per-block weights to the level's destinations and proportional attention:
-    # at ratio 0.75, 39.3 dB at 10.1% of SD1.5's FLOPs saved, where ComfyUI's ToMe r=0.75 keeps 37.8 dB at 9.6%
+    # at ratio 0.75, 39.3 dB at 10.1% of SD1.5's FLOPs saved, where ComfyUI's ToMe r=0.75 keeps 37.8 dB at 9.6%.
+    # No rotating destinations: 38.65 dB against 39.30 at the same speed (issue 40's front)
     "sd1": Preset(KEYS_VALUES, plan_per_block=True, shared_destinations=True, proportional=True, weights_interval=5,
                   window_size=8),
     # attention at 1/2 and 1/4, the first 25% of the schedule unmerged, weights refreshed with the
     # destinations (every 5 steps), ratio 0.85: on the H200 clock of 2026-12-04 (Hopper fitted to published
     # SDXL step times) 1.10x under ComfyUI's compile node and 0.97x eager, 32.07 dB on the SDXL proxy, where
-    # ratio 0.75 gave 1.09x, 0.97x and 31.57 dB (docs/benchmarks.md, "Compile as ComfyUI compiles")
-    "sdxl": Preset(ATTENTION, ratio=0.85, levels="auto+next", start_percent=0.25, weights_interval=5),
+    # ratio 0.75 gave 1.09x, 0.97x and 31.57 dB (docs/benchmarks.md, "Compile as ComfyUI compiles"). Rotating
+    # destinations: 32.29 dB at the same speed (0.971x eager against 0.970x; issue 40's front)
+    "sdxl": Preset(ATTENTION, ratio=0.85, levels="auto+next", start_percent=0.25, weights_interval=5, rotation=True),
     # whole blocks on every step at ratio 0.5: FLUX.1-dev 1024 1.48x eager and 1.62x graph-replayed on the
     # H200 clock that prices the host (25 us per op), 21.96 dB on the Flux proxy at FLUX's 64x64 tokens; the
     # earlier default (ratio 0.75 from 40% of the schedule) kept 23.02 dB but only 1.37x eager. In runs of up
-    # to 8 steps a new plan every step (docs/benchmarks.md, "The defaults, and why")
-    "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1)),
+    # to 8 steps a new plan every step (docs/benchmarks.md, "The defaults, and why"). Rotating destinations at
+    # the same speed: 22.53 dB at 64x64 tokens (+0.54), 18.74 dB at 32x32 (+1.41) (issue 40's front)
+    "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1), rotation=True),
     # keys and values of the self-attention (queries whole, nothing to unmerge), each merged key its group's
     # average, each block its own plan, proportional attention, every step, ratio 0.9: Wan 2.1 14B 720p 2.52x
     # on the clock that prices the host (15 steps; the earlier default, whole blocks on one step in 2, 1.71x);
     # on the Wan proxy 20.99 dB on 4 clips of 4 frames (the earlier default 21.29: 0.30 dB short) and more
     # than the earlier default at 8 frames (docs/benchmarks.md, "Merged keys: the video default"). In runs
-    # of up to 8 steps a new plan every step
+    # of up to 8 steps a new plan every step. Rotating destinations at the same speed: 21.09 dB (+0.10; +0.26 dB
+    # at r=0.85, +0.46 at r=0.8) (issue 40's front)
     "video": Preset(KEYS_VALUES, ratio=0.9, plan_per_block=True, proportional=True,
-                    short_run=ShortRun(8, reuse_interval=1)),
+                    short_run=ShortRun(8, reuse_interval=1), rotation=True),
 }
 
 

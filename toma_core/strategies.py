@@ -29,6 +29,7 @@ from .baselines import CheckpointSchedule, catome_plan, tomesd_plan
 from .plan import DEFAULT_TAU, plan_tiles
 from .schedule import EveryCall, ReuseSchedule
 from .selection import EXACT_GREEDY_MAX_TILE
+from .tiles import token_grid
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,13 @@ class ToMA:
         return plan_tiles(features, grid, self.window_size, self.ratio, self.tau, self.exact,
                           destinations=destinations, generator=generator, temporal_window=self.temporal_window,
                           seed=seed, rotation=self.rotation, chosen=chosen)
+
+    def first_counts(self, grid, batch: int, device) -> torch.Tensor:
+        """(batch, T, S) zeros: the rotation counts of a plan key before its first build on ``grid``, for a
+        host that settles a call's inputs before its blocks run, so that the first build and the later ones
+        trace alike (blocks compiled one by one)."""
+        tiles = token_grid(grid, self.window_size, self.temporal_window)
+        return torch.zeros(batch, tiles.num_tiles, tiles.tile_size, device=device)
 
     @property
     def draws_seed(self) -> bool:

@@ -40,8 +40,9 @@ class ModelCall:
     rebuild traces no new graph; the updated counts of the plans built (``counted``) are kept after the call."""
 
     def __init__(self, where: Where, decisions: dict, fresh: tuple[bool, bool, bool], seed: torch.Tensor | None,
-                 chosen: dict | None = None):
+                 chosen: dict | None = None, device=None):
         self.where = where  # host side only: never read in a block call
+        self.device = device  # where the call's tensors are (host side only)
         self.decisions = decisions  # PlanKey -> (merge, new destinations, new weights)
         self.fresh = fresh  # the decision of a plan key this run has not seen yet
         self.seed = seed  # int64 scalar from the run's generator, for a strategy that draws_seed
@@ -322,7 +323,7 @@ class MergeRuntime:
         fresh = self.decide(where, FRESH)
         self.strategy.schedule.forget(FRESH)
         chosen = {key: counts for key, counts in self._chosen.items() if key[-1] == (batch, layout)}
-        return ModelCall(where, decisions, fresh, seed, chosen)
+        return ModelCall(where, decisions, fresh, seed, chosen, device)
 
     def decide(self, where: Where, key: PlanKey) -> tuple[bool, bool, bool]:
         """The schedule's decision for ``key`` at ``where``, as (merge, new destinations, new weights)."""
@@ -444,6 +445,9 @@ class MergeRuntime:
             if key not in call.decisions and key not in self._failed:
                 call.decisions[key] = call.fresh
                 call.first_seen.append(key)
+            counted = self.counts_key(key)
+            if getattr(self.strategy, "rotation", 0) and counted not in call.chosen:  # zeros: a first build too
+                call.chosen[counted] = self.strategy.first_counts(key.level.shape, key.rows[0], call.device)
 
     def build(self, call: ModelCall, level: Level, rows: tuple, features, given, key: PlanKey):
         """A new plan for ``level`` with the ``given`` destinations (None: choose them); where the
@@ -456,7 +460,7 @@ class MergeRuntime:
             given = call.shared[shared]  # another block of the level chose them in this call
         feats = features()
         rotates = given is None and getattr(self.strategy, "rotation", 0)
-        counted = key if shared is None else shared
+        counted = self.counts_key(key)
         extra = {"chosen": call.chosen.get(counted)} if rotates else {}
         if call.seed is None:
             plan = self.strategy.build(feats, level.shape, self.generator(feats.device), given, **extra)
@@ -469,6 +473,13 @@ class MergeRuntime:
         if rotates and getattr(plan, "chosen", None) is not None:
             call.counted[counted] = plan.chosen
         return plan
+
+    def counts_key(self, key: PlanKey) -> tuple:
+        """What rotation counts are kept by for the plans of ``key``: the key, or (level, rows) where the
+        blocks of a level share destinations (its first block chooses them for all)."""
+        if getattr(self.strategy, "shares_destinations", False):
+            return (key.level, key.rows)
+        return key
 
     def leave(self, level: Level, transformer_options, taker, why: str = "changed its tokens first") -> str:
         """Note that another node took ``level`` in this model call, for the run's stats; ``taker()``
