@@ -1,7 +1,8 @@
 """ToMA Merge Map: a picture of the merge plans a patched model really used in its last sampling run.
 
 Every merge group (a kept token and the tokens merged into it) gets its own colour (a token nothing was
-merged into stays grey), kept tokens carry a dark dot, and the borders of the windows the method merges
+merged into stays grey), kept tokens carry a dark dot (where destinations rotate, a white one for a token
+not kept by the level's plan before: the tokens that rotated in), and the borders of the windows the method merges
 inside (ToMA's windows, ToMeSD/CA-ToMe strides) are black lines. Nothing is recomputed: the runtime
 recorded the plans while sampling (see ``runtime.records``), and the node reads them through the runtimes
 the patch nodes stored in the MODEL.
@@ -19,6 +20,7 @@ from .toma_nodes import CATEGORY
 PIXELS_PER_LATENT = 8  # the map has the size of the decoded image of the latent
 GOLDEN = (math.sqrt(5) - 1) / 2
 SINGLE_GREY = 0.8  # groups of one token (nothing merged into it) stay grey, so merges stand out
+ROTATED_IN = 1.0  # the dot of a kept token the level's plan before did not keep (rotating destinations): white
 BORDER = 0.0  # window borders: black, visible on grey, colours and pictures alike
 
 
@@ -56,7 +58,8 @@ def render_record(record: PlanRecord, height: int, width: int, image: torch.Tens
                   opacity: float = 1.0) -> torch.Tensor:
     """(height, width, 3) float in [0, 1]: the merge groups of ``record`` stretched over the picture;
     groups of one token are grey. A video's record shows its first latent frame (its tokens lead the
-    raster; a group kept in a later frame still has its colour).
+    raster; a group kept in a later frame still has its colour). Kept tokens get a dark dot; where the
+    record rotates destinations (its ``previous`` record), those that were not kept before a white one.
 
     image: optional (H', W', 3) picture shown under the groups (resized), the groups at ``opacity``.
     """
@@ -69,8 +72,13 @@ def render_record(record: PlanRecord, height: int, width: int, image: torch.Tens
     picture[alone[groups[token]]] = SINGLE_GREY
     kept = torch.zeros(groups.numel(), dtype=torch.bool)
     kept[record.kept.long()] = True
-    dot = kept[token] & row_centre[:, None] & col_centre[None, :]
-    picture[dot] *= 0.3
+    centre = row_centre[:, None] & col_centre[None, :]
+    if record.previous is not None:
+        before = torch.zeros_like(kept)
+        before[record.previous.kept.long()] = True
+        picture[kept[token] & ~before[token] & centre] = ROTATED_IN
+        kept &= before
+    picture[kept[token] & centre] *= 0.3
     if image is not None:
         under = F.interpolate(image.permute(2, 0, 1)[None].float(), size=(height, width), mode="bilinear",
                               align_corners=False)[0].permute(1, 2, 0).clamp(0, 1)
@@ -153,7 +161,8 @@ def check_grid_matches(record: PlanRecord, name, h: int, w: int):
 class ToMAMergeMap:
     DESCRIPTION = ("Shows which tokens ToMA (or ToMeSD / CA-ToMe) merged in the last sampling run of the "
                    "connected model: each merge group (a kept token and the tokens merged into it) has its "
-                   "own colour (grey: nothing was merged into the token), kept tokens carry a dark dot, "
+                   "own colour (grey: nothing was merged into the token), kept tokens carry a dark dot (with "
+                   "rotation on, a white one where the plan before did not keep the token), "
                    "window borders are black; for a video, its first latent frame. Reads the plans recorded "
                    "while sampling; nothing is recomputed.")
     CATEGORY = CATEGORY

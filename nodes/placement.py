@@ -69,7 +69,8 @@ class Preset:
     ``weights_interval``, ``start_percent`` and ``merge_every`` are the basic node's; the Advanced node
     shows them as inputs of its own. ``short_run``: how both nodes' schedule changes in runs of few steps
     (distilled models; None: it does not). ``ratio`` and ``window_size`` are what the ratio's -1 and the window's
-    0 ("auto", the inputs' defaults) mean on both nodes."""
+    0 ("auto", the inputs' defaults) mean on both nodes; ``rotation``, what the rotation input's "auto" means
+    (destinations that rotate: toma_core.plan.ROTATION_STRENGTH), on where the fronts show it pays."""
 
     scope: str
     ratio: float = 0.75
@@ -82,6 +83,7 @@ class Preset:
     merge_every: int = 1
     window_size: int = 4  # what the node's window_size 0 ("auto") means
     short_run: ShortRun | None = None
+    rotation: bool = False
 
 
 KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image DiTs", "video": "video DiTs"}
@@ -94,24 +96,24 @@ KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image Di
 # docs/figures.json under the kind's key (tests/test_figures.py keeps its ratio and scope equal to these).
 PRESETS = {
     # keys/values at window 8 with per-block weights to the level's destinations and proportional attention:
-    # queries stay whole, so little of the picture changes; shared destinations and weights every 5 steps
+    # queries stay whole, so little of the picture changes (destinations that rotate cost it here); shared destinations and weights every 5 steps
     # keep the per-block plans' fidelity at a fraction of their kernels
     "sd1": Preset(KEYS_VALUES, plan_per_block=True, shared_destinations=True, proportional=True, weights_interval=5,
                   window_size=8),
     # attention at 1/2 and 1/4 (SDXL has no attention at full resolution), the first 25% of the schedule
     # unmerged to keep the composition, weights refreshed with the destinations (every 5 steps); ratio 0.85
     # is both faster and closer to unpatched than 0.75 on the clock fitted to published SDXL step times
-    "sdxl": Preset(ATTENTION, ratio=0.85, levels="auto+next", start_percent=0.25, weights_interval=5),
+    "sdxl": Preset(ATTENTION, ratio=0.85, levels="auto+next", start_percent=0.25, weights_interval=5, rotation=True),
     # whole blocks on every step at ratio 0.5: on the clock that prices the host, a merged step pays for
     # ToMA's kernels, so merging every step at a lower ratio is faster eager than merging a later part of
     # the schedule at a higher one. In runs of up to 8 steps a new plan every step
-    "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1)),
+    "dit": Preset(BLOCK, ratio=0.5, short_run=ShortRun(8, reuse_interval=1), rotation=True),
     # keys and values of the self-attention (queries whole, nothing to unmerge), each merged key its group's
     # average, each block its own plan, proportional attention, every step, ratio 0.9: video is GPU-bound, so
     # the saved attention is the speed-up, and with merged keys a higher ratio costs little fidelity. In runs
     # of up to 8 steps a new plan every step
     "video": Preset(KEYS_VALUES, ratio=0.9, plan_per_block=True, proportional=True,
-                    short_run=ShortRun(8, reuse_interval=1)),
+                    short_run=ShortRun(8, reuse_interval=1), rotation=True),
 }
 
 
@@ -122,6 +124,12 @@ def values_in_words(name: str) -> list[tuple[object, str]]:
     for kind, preset in PRESETS.items():
         values.setdefault(getattr(preset, name), []).append(KIND_NAMES[kind])
     return [(v, " and ".join(names) if len(names) < 3 else ", ".join(names)) for v, names in sorted(values.items())]
+
+
+def rotation_in_words() -> str:
+    """Which kinds of model rotate destinations under the rotation input's "auto", for its tooltip."""
+    kinds = [KIND_NAMES[kind] for kind, preset in PRESETS.items() if preset.rotation]
+    return f"on for {', '.join(kinds)}, off for the others" if kinds else "off on every kind of model"
 
 
 def auto_in_words() -> str:

@@ -7,8 +7,8 @@ supported families.
 """
 import logging
 
-from ..toma_core import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, DiTo,
-                         MatchingSchedule, ReuseSchedule, ToMA, ToMeSD)
+from ..toma_core import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, ROTATION_STRENGTH, CAToMe,
+                         CheckpointSchedule, DiTo, MatchingSchedule, ReuseSchedule, ToMA, ToMeSD)
 from . import placement
 from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
                        keys_values_families, supported_families, unet)
@@ -27,6 +27,7 @@ DEFAULT_RATIO = AUTO_RATIO
 DEFAULT_WINDOW = 0  # auto: the model kind's window (placement.PRESETS)
 DEFAULT_REUSE = 5
 DEFAULT_TEMPORAL_WINDOW = 2  # docs/notebook.md, "Windows over video frames"
+ROTATIONS = ("auto", "on", "off")  # the rotation input's choices; auto: the model kind's (placement.Preset.rotation)
 
 
 def model_sampling_of(model):
@@ -216,6 +217,13 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                         "first block of each level or block group chooses the destinations, "
                                         "each block computes its own weights to them (one selection per level "
                                         "instead of per block: far fewer GPU kernels, a little less faithful)."}),
+                "rotation": (list(ROTATIONS), {
+                    "default": "auto",
+                    "tooltip": "Destinations that rotate: each time a plan chooses new destinations, tokens that "
+                               "were destinations of the same plan earlier in the run are less likely to be "
+                               "chosen again, so successive plans keep different tokens and the merge error "
+                               "averages out over the steps (a closer picture at the same speed: a few GPU "
+                               "kernels per selection). auto: " + placement.rotation_in_words() + "."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -223,12 +231,13 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
     def patch(self, model, ratio, window_size, reuse_interval, scope="auto", levels="auto",
               weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
               temporal_window=DEFAULT_TEMPORAL_WINDOW, merge_every=1, plan_per_block=False,
-              proportional_attention=False, shared_destinations=False, unique_id=None):
+              proportional_attention=False, shared_destinations=False, rotation="auto", unique_id=None):
         check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,
                      scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
                      end_percent=end_percent, tau=tau, exact_unmerge=exact_unmerge, temporal_window=temporal_window,
                      merge_every=merge_every, plan_per_block=plan_per_block,
-                     proportional_attention=proportional_attention, shared_destinations=shared_destinations)
+                     proportional_attention=proportional_attention, shared_destinations=shared_destinations,
+                     rotation=rotation)
         preset = preset_of(model)
         ratio = ratio_of(ratio, preset)
         if window_size == 0:
@@ -242,20 +251,23 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
             proportional_attention = proportional_attention or preset.proportional
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every),
                                  short_run)
+        rotates = preset.rotation if rotation == "auto" else rotation == "on"
         strategy = toma_strategy(ratio, window_size, schedule, tau, exact_unmerge, temporal_window, plan_per_block,
-                                 shared_destinations, proportional_attention)
+                                 shared_destinations, proportional_attention, ROTATION_STRENGTH if rotates else 0.0)
         return (apply_strategy(model, strategy, levels, scope, unique_id),)
 
 
 def toma_strategy(ratio: float, window_size: int, schedule: ReuseSchedule, tau: float = DEFAULT_TAU,
                   exact_unmerge: bool = False, temporal_window: int = DEFAULT_TEMPORAL_WINDOW,
-                  plan_per_block: bool = False, shared_destinations: bool = False, proportional: bool = False):
-    """ToMA as a node's inputs ask for it (``window_size`` resolved: not 0); None at ratio 0 (nothing merges)."""
+                  plan_per_block: bool = False, shared_destinations: bool = False, proportional: bool = False,
+                  rotation: float = 0.0):
+    """ToMA as a node's inputs ask for it (``window_size`` resolved: not 0; ``rotation`` a strength, 0: off);
+    None at ratio 0 (nothing merges)."""
     if ratio == 0:
         return None
     return ToMA(ratio, int(window_size), schedule, tau, exact_unmerge, temporal_window=int(temporal_window),
                 shares_plans=not plan_per_block, shares_destinations=plan_per_block and shared_destinations,
-                proportional=proportional)
+                proportional=proportional, rotation=rotation)
 
 
 def _downsample_levels(max_downsample: int) -> frozenset[int]:

@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..toma_core import ReuseSchedule
+from ..toma_core import ROTATION_STRENGTH, ReuseSchedule
 from ..toma_core.attention import heads_with_key_bias
 from . import placement
 from .adapters.dit import TOKEN_COUNT, VIDEO, MergedKeysValues, merged_blocks
@@ -494,7 +494,8 @@ class ToMAWanVideoWrapper:
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, short_run=PRESET.short_run)
         strategy = toma_strategy(ratio, window_size or PRESET.window_size, schedule, temporal_window=temporal_window,
                                  plan_per_block=plan_per_block, shared_destinations=shared_destinations,
-                                 proportional=proportional_attention)
+                                 proportional=proportional_attention,
+                                 rotation=ROTATION_STRENGTH if PRESET.rotation else 0.0)  # the video kind's choice
         dm = diffusion_model_of(model)
         why = unsupported(dm)
         if why is not None:

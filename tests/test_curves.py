@@ -116,6 +116,10 @@ def test_setting_rows_are_the_advanced_nodes_inputs(pack):
     assert labels == ["unpatched", "ToMA node default r=auto",
                       "ToMA scope keys/values, plan_per_block true, start_percent 0.2, merge_every 2 r=0.85",
                       "ToMA r=0.5"]
+    assert curves.setting_values(tn, "ratio=0.5,scope=block,rotation=on") == {"ratio": 0.5, "scope": "block",
+                                                                               "rotation": "on"}
+    (_, _, rotating) = curves.named_settings(tn, ["ratio=0.5,scope=block,rotation=on"])
+    assert rotating.label == "ToMA scope block, rotation on r=0.5"
     for bad, why in (("scope=block", "needs a ratio"), ("ratio=0.5,plan_per_block=yes", "true or false"),
                      ("ratio=0.5,window=8", "name=value pairs"), ("ratio=half", "a number"),
                      ("ratio=0.5,merge_every=1.5", "an integer")):

@@ -493,3 +493,30 @@ def test_slab_extras_say_when_a_slab_cannot_keep_as_many():
     grids = tuple(token_grid(Slab(shape, b, e), 4, 2) for b, e in bounds)
     with pytest.raises(ValueError, match="cannot keep"):
         slab_extras(grids, (100, 0, 0), 0.5)
+
+
+@pytest.mark.parametrize("hw,tile,temporal_window", CASES)
+def test_rotation_counts_each_builds_destinations_and_steers_the_next(hw, tile, temporal_window):
+    """With rotation a plan carries how often each window slot was a destination, its own included (0 and 1
+    at the first build, padding and unused slots never counted); given those counts the next build on the
+    same tokens keeps fewer of the destinations than a build without them, and adds its own to the counts.
+    A weight refresh of given destinations carries no counts; without rotation a plan carries none."""
+    x = torch.randn(2, math.prod(hw), 16, generator=gen(5))
+    first = plan_tiles(x, hw, tile, 0.5, temporal_window=temporal_window, seed=torch.tensor(1), rotation=1.0)
+    assert plan_tiles(x, hw, tile, 0.5, temporal_window=temporal_window, seed=torch.tensor(1)).chosen is None
+    mask = torch.zeros_like(first.chosen)
+    for b, t, d in (first.destinations >= 0).nonzero().tolist():
+        mask[b, t, first.destinations[b, t, d]] = 1.0
+    assert torch.equal(first.chosen, mask)
+    assert first.chosen.dtype == torch.float32 and not first.chosen[:, ~first.grid.valid].any()
+    again = plan_tiles(x, hw, tile, 0.5, temporal_window=temporal_window, seed=torch.tensor(2), rotation=1.0)
+    rotated = plan_tiles(x, hw, tile, 0.5, temporal_window=temporal_window, seed=torch.tensor(2), rotation=1.0,
+                         chosen=first.chosen)
+    new = rotated.chosen - first.chosen
+    assert set(new.unique().tolist()) <= {0.0, 1.0} and torch.equal(new.sum(-1), mask.sum(-1))
+    assert (new * mask).sum() < (again.chosen * mask).sum()
+    refreshed = plan_tiles(x, hw, tile, 0.5, temporal_window=temporal_window, destinations=rotated.destinations,
+                           rotation=1.0, chosen=rotated.chosen)
+    assert refreshed.chosen is None and torch.equal(refreshed.destinations, rotated.destinations)
+    with pytest.raises(ValueError, match="chosen"):
+        plan_tiles(x, hw, tile, 0.5, temporal_window=temporal_window, rotation=1.0, chosen=first.chosen[:1])

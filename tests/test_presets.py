@@ -49,6 +49,27 @@ def test_ratio_auto_is_the_kinds_ratio(pack, sd15, monkeypatch):
     assert nodes.ToMAPatchModel().patch(sd15, 0.0, 0, 5)[0].model_options == sd15.clone().model_options
 
 
+def test_rotation_auto_is_the_kinds_choice(pack, sd15, monkeypatch):
+    """The rotation input's "auto" (its default; the basic node has no such input) rotates destinations at
+    ROTATION_STRENGTH where the kind's preset says so, and not where it does not; "on" and "off" win. The
+    input is optional, after every other, so a workflow saved before it still loads."""
+    nodes, placement = pack.nodes.toma_nodes, pack.nodes.placement
+    spec = nodes.ToMAPatchModelAdvanced.INPUT_TYPES()
+    assert list(spec["optional"])[-1] == "rotation" and spec["optional"]["rotation"][1]["default"] == "auto"
+    strength = pack.toma_core.ROTATION_STRENGTH
+    for preset_rotates in (False, True):
+        monkeypatch.setitem(placement.PRESETS, "sd1", dataclasses.replace(placement.PRESETS["sd1"],
+                                                                          rotation=preset_rotates))
+        expected = strength if preset_rotates else 0.0
+        basic = nodes.ToMAPatchModel().patch(sd15, -1, 0, 5)[0]
+        assert strategy_of(pack, basic).rotation == expected
+        advanced = nodes.ToMAPatchModelAdvanced()
+        assert strategy_of(pack, advanced.patch(sd15, -1, 0, 5)[0]).rotation == expected
+        assert strategy_of(pack, advanced.patch(sd15, -1, 0, 5, rotation="on")[0]).rotation == strength
+        assert strategy_of(pack, advanced.patch(sd15, -1, 0, 5, rotation="off")[0]).rotation == 0.0
+    assert not hasattr(strategy_of(pack, nodes.ToMeSDPatchModel().patch(sd15, 0.5)[0]), "rotation")
+
+
 @pytest.mark.parametrize("ratio", [-0.5, -1.5])
 def test_a_negative_ratio_other_than_auto_is_refused(pack, sd15, ratio):
     with pytest.raises(ValueError, match="ratio must be"):

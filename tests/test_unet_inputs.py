@@ -35,6 +35,8 @@ BAD_INPUTS = [
     ("ToMAPatchModelAdvanced", dict(TOMA, exact_unmerge="false"), ["exact_unmerge", "True", "False"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, exact_unmerge="yes"), ["exact_unmerge", "True", "False"]),
     ("ToMAPatchModelAdvanced", dict(TOMA, exact_unmerge=2), ["exact_unmerge", "True", "False"]),
+    ("ToMAPatchModelAdvanced", dict(TOMA, rotation="yes"), ["rotation", "auto", "on", "off"]),
+    ("ToMAPatchModelAdvanced", dict(TOMA, rotation=True), ["rotation", "auto", "on", "off"]),
     ("ToMeSDPatchModel", {"ratio": 0.8}, ["ratio", "0.0", "0.75"]),
     ("ToMeSDPatchModel", {"ratio": 0.5, "max_downsample": 3}, ["max_downsample", "1", "8"]),
     ("ToMeSDPatchModel", {"ratio": 0.5, "sx": 0}, ["sx", "1", "8"]),

@@ -330,7 +330,7 @@ def variants_for(name: str, pack) -> list[Variant]:
                            patch=lambda m: tn.CAToMePatchModel().patch(m, 0.7, max_downsample=down)[0], meta_scalar=count))
         for r in (0.5, 0.75):
             out.append(Variant(f"ComfyUI ToMe r={r:g}", patch=lambda m, r=r: comfy_tome(m, r)))
-        return out
+        return out + rotations(tn)
     for r in (0.5, 0.9):  # around the default ratio: the earlier default, and the node's highest
         out.append(Variant(f"ToMA r={r:g}", patch=lambda m, r=r: basic.patch(m, r, w, reuse)[0]))
     if name in ("flux", "hunyuan_video"):
@@ -345,7 +345,29 @@ def variants_for(name: str, pack) -> list[Variant]:
     out.append(Variant("ToMA r=0.5 merge_every 3", patch=lambda m: advanced.patch(m, 0.5, w, reuse, merge_every=3)[0]))
     if name in ("flux", "sd35"):  # the paper's models: DiTo (after arXiv 2605.22011) at its node's defaults
         out.append(Variant("DiTo r=0.5 (interval 5)", patch=lambda m: tn.DiToPatchModel().patch(m, 0.5)[0]))
-    return out
+    return out + rotations(tn)
+
+
+def default_with_rotation(tn, rotation: str, ratio: float | None = None):
+    """A patch: the basic node's default (``ratio``, None: the kind's) with its settings of the model's kind
+    through the Advanced node, with ``rotation`` ("on", "off") in place of the kind's choice."""
+
+    def patch(m):
+        kind = tn.preset_of(m)
+        return tn.ToMAPatchModelAdvanced().patch(m, tn.DEFAULT_RATIO if ratio is None else ratio, tn.DEFAULT_WINDOW,
+                                                 tn.DEFAULT_REUSE, levels=kind.levels,
+                                                 weights_interval=kind.weights_interval,
+                                                 start_percent=kind.start_percent, merge_every=kind.merge_every,
+                                                 rotation=rotation)[0]
+
+    return patch
+
+
+def rotations(tn) -> list[Variant]:
+    """The node's default with destinations that rotate and without: what rotating costs, its bias and counts
+    priced as every other op."""
+    return [Variant(f"ToMA default, rotation {rotation}", patch=default_with_rotation(tn, rotation))
+            for rotation in ("off", "on")]
 
 
 # -- recording a sampling run on the meta device --------------------------------------------------------

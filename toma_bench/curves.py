@@ -66,20 +66,32 @@ WINDOW = 4  # of the rows that name no window (the node's window before "auto" c
 
 
 def toma(tn, family: str, setting: str, ratio: float, **inputs) -> Variant:
-    """ToMA through its Advanced node: the node's defaults but for ``ratio`` and ``inputs``; window 4 and
-    scope attention unless named (the node's defaults before the presets per kind of model, so that rows
-    keep their meaning when a preset changes)."""
+    """ToMA through its Advanced node: the node's defaults but for ``ratio`` and ``inputs``; window 4, scope
+    attention and rotation off unless named (the node's defaults before the presets per kind of model, so
+    that rows keep their meaning when a preset changes)."""
     node = tn.ToMAPatchModelAdvanced()
-    inputs = {"window_size": WINDOW, "reuse_interval": tn.DEFAULT_REUSE, "scope": "attention", **inputs}
+    inputs = {"window_size": WINDOW, "reuse_interval": tn.DEFAULT_REUSE, "scope": "attention", "rotation": "off",
+              **inputs}
     return Variant(family, setting, lambda m: node.patch(m, ratio, **inputs)[0])
 
 
-def node_default(tn, ratio: float | None) -> Variant:
+def node_default(tn, ratio: float | None, rotation: str = "auto") -> Variant:
     """The basic ToMA node with its default inputs but ``ratio`` (None: its default too, the model kind's
-    ratio): what the model's kind gets by default (nodes/placement.PRESETS)."""
-    return Variant("ToMA node default", "r=auto" if ratio is None else f"r={ratio:g}",
-                   lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO if ratio is None else ratio,
-                                                       tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0])
+    ratio): what the model's kind gets by default (nodes/placement.PRESETS). ``rotation`` "on" or "off":
+    the same through the Advanced node, with the basic node's settings of the kind and that rotation."""
+    setting = "r=auto" if ratio is None else f"r={ratio:g}"
+    if rotation != "auto":
+        return Variant(f"ToMA node default, rotation {rotation}", setting,
+                       costmodel.default_with_rotation(tn, rotation, ratio))
+    ratio = tn.DEFAULT_RATIO if ratio is None else ratio
+    return Variant("ToMA node default", setting,
+                   lambda m: tn.ToMAPatchModel().patch(m, ratio, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0])
+    return Variant(f"ToMA node default, rotation {rotation}", setting, patch)
+
+
+def node_default_rotations(tn) -> list[Variant]:
+    """The node default with destinations that rotate and without (whichever the kind's "auto" is)."""
+    return [node_default(tn, None, rotation) for rotation in ("off", "on")]
 
 
 RATIOS = (0.25, 0.5, 0.75)
@@ -165,7 +177,7 @@ def placements(tn) -> list[Variant]:
     """ToMA's placements and fidelity fixes (per-block plans, proportional attention, window 8, the first
     20% of the schedule unmerged) against today's placement and the baselines that merge at 1/1."""
     out = [Variant("unpatched", "", lambda m: m)]
-    out += [node_default(tn, r) for r in (0.5, 0.75)]
+    out += [node_default(tn, r) for r in (0.5, 0.75)] + node_default_rotations(tn)
     out += [toma(tn, "ToMA attention", f"r={r:g}", r, scope="attention") for r in RATIOS]
     fixed = {"plan_per_block": True, "proportional_attention": True}
     out.append(toma(tn, "ToMA attention, proportional", "r=0.5", 0.5, proportional_attention=True))
@@ -207,7 +219,7 @@ def sdxl_placements(tn) -> list[Variant]:
     reach 1/2: unet_methods)."""
     out = [Variant("unpatched", "", lambda m: m)]
     nxt, fixed = {"levels": "auto+next"}, {"plan_per_block": True, "proportional_attention": True}
-    out += [node_default(tn, r) for r in (0.5, 0.75)]
+    out += [node_default(tn, r) for r in (0.5, 0.75)] + node_default_rotations(tn)
     out += [toma(tn, "ToMA attention", f"r={r:g}", r, scope="attention") for r in RATIOS]
     out += [toma(tn, "ToMA attention, auto+next", f"r={r:g}", r, **nxt) for r in (0.5, 0.75)]
     out += [toma(tn, "ToMA attention, per block, proportional, window 8, auto+next", "r=0.75", 0.75, window_size=8,
@@ -247,7 +259,7 @@ def dit_front(tn, video: bool) -> list[Variant]:
     proportional attention, with per-block plans, with shared destinations); on Flux layouts also the
     attention-only placement; DiTo and ToMeSD's matching in whole blocks beside them. For choosing each DiT
     family's default on the GPU clock."""
-    out = [Variant("unpatched", "", lambda m: m)]
+    out = [Variant("unpatched", "", lambda m: m)] + node_default_rotations(tn)
     out += [toma(tn, "ToMA block", f"r={r:g}", r, scope="block") for r in RATIOS]
     out += [toma(tn, "ToMA block, start 0.2", f"r={r:g}", r, scope="block", start_percent=0.2) for r in RATIOS]
     out += [toma(tn, "ToMA block, window 8", f"r={r:g}", r, scope="block", window_size=8) for r in (0.5, 0.75)]
@@ -307,7 +319,7 @@ def sparse_front(tn) -> list[Variant]:
     def feed_forward(ratio: float, start: float):
         node = tn.ToMAPatchModelAdvanced()
         return lambda m: node.patch(m, ratio, WINDOW, tn.DEFAULT_REUSE, scope="feed-forward",
-                                    start_percent=start)[0]
+                                    start_percent=start, rotation="off")[0]
 
     out = [Variant("unpatched", "", lambda m: m)]
     out += [Variant("sparse attention", f"tau={tau:g}", sparse(tau)) for tau in (1.0, 1.3, 1.5)]
@@ -349,7 +361,8 @@ def setting_values(tn, text: str) -> dict:
 
 def named_settings(tn, texts: list[str]) -> list[Variant]:
     """The unpatched model, the basic node at its defaults, and each ``--setting``: the Advanced node with
-    those inputs (window 4 and scope attention where not named, as every other ToMA row: ``toma``)."""
+    those inputs (window 4, scope attention and rotation off where not named, as every other ToMA row:
+    ``toma``)."""
     out = [Variant("unpatched", "", lambda m: m), node_default(tn, None)]
     for text in texts:
         values = setting_values(tn, text)
@@ -577,7 +590,7 @@ def parse_args(argv):
                     help="latent frames of a clip (video proxies; default: the proxy's training clips')")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE,...",
                     help="a ToMA row of the Advanced node's inputs, e.g. ratio=0.75,scope=block,start_percent=0.3 "
-                         "(repeatable; window 4 and scope attention unless named); with --setting the rows are "
+                         "(repeatable; window 4, scope attention and rotation off unless named); with --setting the rows are "
                          "the unpatched model, the basic node at its defaults and these, and --set is ignored")
     ap.add_argument("--real", choices=list(costmodel.SPECS), default=None,
                     help="the real-size model of the speed axis (default: the proxy's family, "

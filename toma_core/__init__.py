@@ -12,7 +12,7 @@
 from .baselines import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, BipartitePlan, CheckpointSchedule, catome_checkpoints,
                         catome_plan, tomesd_plan)
 from .groups import bipartite_groups, merge_groups, toma_groups
-from .plan import DEFAULT_TAU, IdentityPlan, MergePlan, TokenPlan, destinations_per_tile, plan_tiles
+from .plan import DEFAULT_TAU, ROTATION_STRENGTH, IdentityPlan, MergePlan, TokenPlan, destinations_per_tile, plan_tiles
 from .schedule import EveryCall, ReuseSchedule, RunClock, ShortRun, StepDecision, step_from_sigmas
 from .selection import cosine_similarity, facility_location, select_destinations, stochastic_facility_location
 from .dito import DiToPlan, MatchingPlan, MatchingSchedule, interval_from_pmr, pair_match_ratio
@@ -23,7 +23,7 @@ __all__ = [
     "CATOME_CONFIG3", "CATOME_REFERENCE_STEPS", "BipartitePlan", "CheckpointSchedule", "catome_checkpoints",
     "catome_plan", "tomesd_plan",
     "bipartite_groups", "merge_groups", "toma_groups",
-    "DEFAULT_TAU", "IdentityPlan", "MergePlan", "TokenPlan", "destinations_per_tile", "plan_tiles",
+    "DEFAULT_TAU", "ROTATION_STRENGTH", "IdentityPlan", "MergePlan", "TokenPlan", "destinations_per_tile", "plan_tiles",
     "EveryCall", "ReuseSchedule", "RunClock", "ShortRun", "StepDecision", "step_from_sigmas",
     "DiToPlan", "MatchingPlan", "MatchingSchedule", "interval_from_pmr", "pair_match_ratio",
     "CAToMe", "DiTo", "ToMA", "ToMeSD",

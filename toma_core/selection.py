@@ -87,15 +87,18 @@ def unit_similarity(xn: torch.Tensor) -> torch.Tensor:
     return (xn @ xn.transpose(-1, -2)).add_(1.0).mul_(0.5).clamp_(0.0, 1.0)
 
 
-def facility_location(sim: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+def facility_location(sim: torch.Tensor, k: int, valid: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy facility location on a batch of similarity matrices.
 
     sim:   (..., S, S), non-negative; sim[..., i, j] = how well i represents j.
     valid: (..., S) bool, broadcastable; False marks padding, which is never chosen and never counted.
+    bias:  (..., S) float, broadcastable, added to every candidate's gain (0: none): a negative bias makes a
+           token less likely to be picked (rotating destinations: ``plan.plan_tiles``'s ``rotation``).
     Returns (..., k) long indices in pick order, no duplicates. Where a set has fewer than k valid
     tokens, the slots after the last valid pick are -1.
     """
-    return _greedy(sim, k, valid, sample_size=None, seed=None)
+    return _greedy(sim, k, valid, sample_size=None, seed=None, bias=bias)
 
 
 def stochastic_facility_location(
@@ -105,15 +108,18 @@ def stochastic_facility_location(
     generator: torch.Generator | None = None,
     epsilon: float = STOCHASTIC_EPSILON,
     seed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stochastic greedy (Mirzasoleiman et al., 2015): each pick scores only a random sample of
     ceil(S/k * ln(1/epsilon)) candidates, giving (1 - 1/e - epsilon) in expectation at O(S) per pick
     instead of O(S^2). Same arguments and result as :func:`facility_location`. The samples are drawn by
     ``random_keys`` from ``seed`` (an int64 scalar tensor on sim's device, ``draw_seed``; what traced code
-    passes), else from a seed drawn from ``generator``, else from seed 0."""
+    passes), else from a seed drawn from ``generator``, else from seed 0. A ``bias`` is added to the random
+    keys as to the gains (one penalty serves both): with a bias of -1 per earlier pick (keys lie in [0, 1))
+    the sample takes the tokens picked fewest times first, at random among equals."""
     S = sim.shape[-1]
     sample = max(1, min(S, math.ceil(S / max(k, 1) * math.log(1.0 / epsilon))))
-    return _greedy(sim, k, valid, sample_size=sample, seed=_seed(sim, generator, seed))
+    return _greedy(sim, k, valid, sample_size=sample, seed=_seed(sim, generator, seed), bias=bias)
 
 
 def _seed(sim: torch.Tensor, generator: torch.Generator | None, seed: torch.Tensor | None) -> torch.Tensor:
@@ -128,28 +134,29 @@ def _seed(sim: torch.Tensor, generator: torch.Generator | None, seed: torch.Tens
 
 def select_destinations(
     features: torch.Tensor, k: int, valid: torch.Tensor | None = None, generator: torch.Generator | None = None,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(..., S, C) tile features -> (..., k) destination indices; exact greedy for small tiles,
     stochastic greedy above ``EXACT_GREEDY_MAX_TILE`` tokens per tile (random from ``seed`` or
-    ``generator``: see :func:`stochastic_facility_location`)."""
-    return select_by_similarity(cosine_similarity(features), k, valid, generator, seed)
+    ``generator``: see :func:`stochastic_facility_location`); ``bias`` added to each token's gain in both."""
+    return select_by_similarity(cosine_similarity(features), k, valid, generator, seed, bias)
 
 
-def select_by_similarity(sim, k, valid=None, generator=None, seed=None) -> torch.Tensor:
+def select_by_similarity(sim, k, valid=None, generator=None, seed=None, bias=None) -> torch.Tensor:
     """:func:`select_destinations` from a ready (..., S, S) similarity."""
     if sim.shape[-1] <= EXACT_GREEDY_MAX_TILE:
-        return facility_location(sim, k, valid)
-    return stochastic_facility_location(sim, k, valid, generator=generator, seed=seed)
+        return facility_location(sim, k, valid, bias)
+    return stochastic_facility_location(sim, k, valid, generator=generator, seed=seed, bias=bias)
 
 
-def _greedy(sim, k, valid, sample_size, seed):
+def _greedy(sim, k, valid, sample_size, seed, bias=None):
     """Every set's k picks at once. A pick costs a handful of kernels (the loop runs k times per plan, and
     on a fast GPU the host's launches, not the arithmetic, are the cost): non-candidates carry a -inf
     penalty instead of a mask, the running best (value and index) comes from one max, and a set whose
     valid tokens are all picked is told apart after the loop by its -inf gains. Stochastic picks take
     their random keys from ``seed``, ``KEY_CHUNK`` picks' worth at a time: pick i's key of slot j in set p
-    is counter (i * P + p) * S + j of the seed's stream."""
+    is counter (i * P + p) * S + j of the seed's stream. A ``bias`` seeds the penalty: added to every
+    candidate's gain (and, stochastic, to its random key)."""
     *batch, S, S2 = sim.shape
     if S != S2:
         raise ValueError(f"sim must be square in its last two dims, got {tuple(sim.shape)}")
@@ -157,7 +164,10 @@ def _greedy(sim, k, valid, sample_size, seed):
         raise ValueError(f"k must be in [1, {S}], got {k}")
     sim = sim.reshape(-1, S, S)
     P = sim.shape[0]
-    penalty = sim.new_zeros(P, S)
+    if bias is None:
+        penalty = sim.new_zeros(P, S)
+    else:  # a copy of its own: picks are marked in it
+        penalty = bias.to(device=sim.device, dtype=sim.dtype).expand(*batch, S).reshape(P, S).clone()
     if valid is not None:
         candidate = valid.to(device=sim.device, dtype=torch.bool).expand(*batch, S).reshape(P, S)
         sim = sim * candidate[:, None, :]  # padding needs no covering

@@ -15,6 +15,11 @@ per model call from the run's generator, a stream of it per build: ``selection.s
 before the model call, since a block call under torch.compile cannot draw from a generator. ``shares_plans``: one plan serves all blocks
 of a group (a UNet level, a DiT block group) in a step, or each block call matches for itself (ToMA's
 ``shares_destinations``: with the group's destinations).
+
+Rotating destinations (ToMA's ``rotation``, a strength; 0: off): where a build chooses destinations, it is
+given ``chosen``, the counts of how often each token was a destination at the plan key's earlier builds in
+the run (None at its first), and its plan carries them updated (``MergePlan.chosen``), which the runtime
+keeps on the device for the key's next build. ToMeSD and CA-ToMe stay as their papers have them.
 """
 from dataclasses import dataclass, field
 
@@ -25,6 +30,7 @@ from .dito import MatchingSchedule, dito_plan, raster_rows
 from .plan import DEFAULT_TAU, plan_tiles
 from .schedule import EveryCall, ReuseSchedule
 from .selection import EXACT_GREEDY_MAX_TILE
+from .tiles import token_grid
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,23 @@ class ToMA:
     # weights (one selection per group instead of one per block)
     shares_destinations: bool = False
     proportional: bool = False  # merged keys weigh as the tokens they stand for (toma_core.attention)
+    # strength of rotating destinations (plan.ROTATION_STRENGTH; 0: off): a token that was a destination at the
+    # plan key's earlier builds in the run is less likely to be one again (plan_tiles)
+    rotation: float = 0.0
     name = "ToMA"
     patches_dits = True
 
-    def build(self, features: torch.Tensor, grid, generator=None, destinations=None, seed=None):
+    def build(self, features: torch.Tensor, grid, generator=None, destinations=None, seed=None, chosen=None):
         return plan_tiles(features, grid, self.window_size, self.ratio, self.tau, self.exact,
                           destinations=destinations, generator=generator, temporal_window=self.temporal_window,
-                          seed=seed)
+                          seed=seed, rotation=self.rotation, chosen=chosen)
+
+    def first_counts(self, grid, batch: int, device) -> torch.Tensor:
+        """(batch, T, S) zeros: the rotation counts of a plan key before its first build on ``grid``, for a
+        host that settles a call's inputs before its blocks run, so that the first build and the later ones
+        trace alike (blocks compiled one by one)."""
+        tiles = token_grid(grid, self.window_size, self.temporal_window)
+        return torch.zeros(batch, tiles.num_tiles, tiles.tile_size, device=device)
 
     @property
     def draws_seed(self) -> bool:

@@ -113,7 +113,10 @@ class RunReport:
     clock); wall_seconds: the run's wall time so far (None outside a run). caveats: what the patched model
     does otherwise than its node asks, in words (MergeRuntime.caveat). host_paced: where the host set the
     run's pace and merging stopped for the rest of the run (runtime.pace: the reason, the merged model calls
-    before the stop, the model calls run unmerged after it), None where merging went on."""
+    before the stop, the model calls run unmerged after it), None where merging went on. rotation: the strength of rotating
+    destinations (0: off); destinations_kept: the share of the destinations of the run's rebuilt plans that
+    were destinations at the previous build of their key too (None: no plan rebuilt, rotation off, or plans
+    without values, the cost model's)."""
 
     method: str
     steps: int | None
@@ -132,6 +135,8 @@ class RunReport:
     caveats: tuple = ()
     untimed: bool = False
     host_paced: dict | None = None
+    rotation: float = 0.0
+    destinations_kept: float | None = None
 
     def summary(self) -> dict:
         """The report as JSON (stats message, run listeners): levels by label, each with its fields, in
@@ -151,6 +156,8 @@ class RunReport:
             "caveats": list(self.caveats),
             "untimed": self.untimed,
             "host_paced": None if self.host_paced is None else dict(self.host_paced),
+            "rotation": {"strength": self.rotation, "destinations_kept": self.destinations_kept} if self.rotation
+            else None,
         }
 
 

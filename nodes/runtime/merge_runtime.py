@@ -37,15 +37,19 @@ class ModelCall:
     graph, so they read only ``decisions`` (a few distinct values over a run: one graph per merge path)
     and never the step, which changes every call; what they write (``merged``, ``built``, ``decisions``)
     is replayed after the graph. The call's random seed (``seed``) is drawn here too, for the same reason:
-    a generator cannot be used in traced code, a seed tensor is a graph input like any other."""
+    a generator cannot be used in traced code, a seed tensor is a graph input like any other. So are the
+    counts of rotating destinations (``chosen``): the earlier builds' counts, handed in as tensors, so that a
+    rebuild traces no new graph; the updated counts of the plans built (``counted``) are kept after the call."""
 
     def __init__(self, where: Where, decisions: dict, fresh: tuple[bool, bool, bool], seed: torch.Tensor | None,
-                 device: torch.device | None = None):
+                 chosen: dict | None = None, device: torch.device | None = None):
         self.where = where  # host side only: never read in a block call
+        self.device = device  # where the call's tensors are (host side only)
         self.decisions = decisions  # PlanKey -> (merge, new destinations, new weights)
         self.fresh = fresh  # the decision of a plan key this run has not seen yet
         self.seed = seed  # int64 scalar from the run's generator, for a strategy that draws_seed
-        self.device = device  # where the call runs (host side: the host-pace rule's events)
+        self.chosen = {} if chosen is None else chosen  # counts key -> (B, T, S) counts of the earlier builds
+        self.counted: dict = {}  # counts key -> the counts of the plan built in this call (MergePlan.chosen)
         self.compiled = False  # whether the diffusion model runs under torch.compile (compiled_model)
         self.seeds_taken = 0  # plans built from it in this call: each takes the next stream of it
         self.first_seen: list = []  # such keys, handed to the schedule after the call
@@ -89,6 +93,13 @@ class MergeRuntime:
         self.run_checks: list = []
         self._plans: dict[PlanKey, object] = {}
         self._shared: dict = {}  # (level, rows) -> the destinations a level's blocks share, chosen last
+        # rotating destinations (the strategy's rotation), on the device, by counts key (a PlanKey, or (level,
+        # rows) where a level shares destinations): how often each window slot was a destination this run; the
+        # last build's destinations as 0/1; the destinations kept from the previous build of their key, and
+        # all rebuilt, summed (read at report time)
+        self._chosen: dict = {}
+        self._last_chosen: dict = {}
+        self._kept: torch.Tensor | None = None
         self._generators: dict = {}  # device -> the run's generator, advanced by every plan built
         self._keys: list[PlanKey] = []  # plan keys seen this run, in order: each call decides them first
         self._call: ModelCall | None = None  # the model call running now, where a host hook announced it
@@ -146,9 +157,9 @@ class MergeRuntime:
     def begin_run(self, schedule=None, model_sampling=None):
         """A clean slate for a sampling run (``StepLocator.begin`` says what the arguments are)."""
         for cache in (self._plans, self._shared, self._generators, self._failed, self._levels, self._idle,
-                      self._left_to, self._unmerged, self._keys):
+                      self._left_to, self._unmerged, self._keys, self._chosen, self._last_chosen):
             cache.clear()
-        self._call = self._loose = None
+        self._call = self._loose = self._kept = None
         self.stages.reset()
         self.strategy.schedule.reset()
         if self.pace is not None:
@@ -323,7 +334,8 @@ class MergeRuntime:
                 decisions[key] = NO_MERGE if paced else self.decide(where, key)
         fresh = NO_MERGE if paced else self.decide(where, FRESH)
         self.strategy.schedule.forget(FRESH)
-        return ModelCall(where, decisions, fresh, seed, device)
+        chosen = {key: counts for key, counts in self._chosen.items() if key[-1] == (batch, layout)}
+        return ModelCall(where, decisions, fresh, seed, chosen, device)
 
     def paced_by_host(self) -> bool:
         """Whether the host sets this run's pace, so the model call beginning now runs unmerged: the previous
@@ -360,7 +372,22 @@ class MergeRuntime:
             stats.steps.add(call.where.step)
         for level, plan in call.built:
             self.record(level, call.where.step, plan)
+        for key, counts in call.counted.items():
+            self.count_rotation(key, counts)
         call.merged, call.built, call.first_seen, call.unmerged, call.notices = {}, [], [], {}, {}
+        call.counted = {}
+
+    def count_rotation(self, key, counts: torch.Tensor) -> None:
+        """Keep the counts of rotating destinations a plan of counts key ``key`` was built with, for the key's
+        next build, and add to the run's sums the destinations it kept from the key's previous build: a few
+        kernels after the model call, on the device (read only by ``report``)."""
+        previous = self._chosen.get(key)
+        chosen = counts if previous is None else counts - previous  # this build's destinations, 0/1
+        last = self._last_chosen.get(key)
+        if last is not None:
+            kept = torch.stack([(chosen * last).sum(), chosen.sum()])
+            self._kept = kept if self._kept is None else self._kept + kept
+        self._chosen[key], self._last_chosen[key] = counts, chosen
 
     def _loose_call(self, transformer_options) -> ModelCall | None:
         """The ModelCall of a block call no host hook announced (a model called outside ComfyUI's sampler,
@@ -418,7 +445,7 @@ class MergeRuntime:
             try:
                 with self.stage("select"):
                     given = None if cached is None else getattr(cached, "destinations", None)
-                    plan = self.build(call, level, rows, features, given)
+                    plan = self.build(call, level, rows, features, given, key)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
                 self._failed.add(key)
                 self.unmerged("no plan", "%s leaves %s unmerged: it could not build a merge plan for %s (the error "
@@ -444,24 +471,41 @@ class MergeRuntime:
             if key not in call.decisions and key not in self._failed:
                 call.decisions[key] = call.fresh
                 call.first_seen.append(key)
+            counted = self.counts_key(key)
+            if getattr(self.strategy, "rotation", 0) and counted not in call.chosen:  # zeros: a first build too
+                call.chosen[counted] = self.strategy.first_counts(key.level.shape, key.rows[0], call.device)
 
-    def build(self, call: ModelCall, level: Level, rows: tuple, features, given):
+    def build(self, call: ModelCall, level: Level, rows: tuple, features, given, key: PlanKey):
         """A new plan for ``level`` with the ``given`` destinations (None: choose them); where the
         strategy shares destinations within a level, the first block of a call that chooses new ones
-        chooses them for all."""
+        chooses them for all. A strategy that rotates destinations is given the counts of the earlier
+        builds of the plan key (of the level, where it shares destinations) in the call (``ModelCall.chosen``), and the plan's updated
+        counts are kept after it."""
         shared = (level, rows) if getattr(self.strategy, "shares_destinations", False) else None
         if given is None and shared is not None and shared in call.shared:
             given = call.shared[shared]  # another block of the level chose them in this call
         feats = features()
+        rotates = given is None and getattr(self.strategy, "rotation", 0)
+        counted = self.counts_key(key)
+        extra = {"chosen": call.chosen.get(counted)} if rotates else {}
         if call.seed is None:
-            plan = self.strategy.build(feats, level.shape, self.generator(feats.device), given)
+            plan = self.strategy.build(feats, level.shape, self.generator(feats.device), given, **extra)
         else:  # the next stream of the call's seed, where the block's tokens are (a no-op on one device)
             seed = seed_stream(call.seed, call.seeds_taken).to(feats.device)
             call.seeds_taken += 1
-            plan = self.strategy.build(feats, level.shape, None, given, seed=seed)
+            plan = self.strategy.build(feats, level.shape, None, given, seed=seed, **extra)
         if shared is not None and given is None and hasattr(plan, "destinations"):
             call.shared[shared] = self._shared[shared] = plan.destinations
+        if rotates and getattr(plan, "chosen", None) is not None:
+            call.counted[counted] = plan.chosen
         return plan
+
+    def counts_key(self, key: PlanKey) -> tuple:
+        """What rotation counts are kept by for the plans of ``key``: the key, or (level, rows) where the
+        blocks of a level share destinations (its first block chooses them for all)."""
+        if getattr(self.strategy, "shares_destinations", False):
+            return (key.level, key.rows)
+        return key
 
     def leave(self, level: Level, transformer_options, taker, why: str = "changed its tokens first") -> str:
         """Note that another node took ``level`` in this model call, for the run's stats; ``taker()``
@@ -498,7 +542,8 @@ class MergeRuntime:
         if level.slab is not None or (records and records[-1].step == step):
             return
         try:
-            records.append(record_plan(plan, step, level.grid, self.strategy))
+            rotation = getattr(self.strategy, "rotation", 0) and records
+            records.append(record_plan(plan, step, level.grid, self.strategy, records[-1] if rotation else None))
         except Exception:  # the map is a diagnostic: never let it break sampling
             log.exception("ToMA: could not record the plan of %s for the merge map", level)
 
@@ -517,6 +562,10 @@ class MergeRuntime:
         waits for the device)."""
         self._flush_loose()
         wall = None if self._run_started is None else time.perf_counter() - self._run_started
+        kept = None
+        if self._kept is not None and self._kept.device.type != "meta":  # the cost model's plans hold no values
+            same, rebuilt = self._kept.tolist()
+            kept = same / rebuilt if rebuilt else None
         return RunReport(
             method=self.name, steps=self.steps.total, schedule=self.steps.schedule, short_run=self._short_run,
             levels={level: LevelStats(s.tokens, s.merged_tokens, set(s.steps), list(s.records))
@@ -525,7 +574,8 @@ class MergeRuntime:
             left_to=dict(self._left_to), nothing_merges=tuple(sorted(self._idle)), failed=frozenset(self._failed),
             unmerged=dict(self._unmerged),
             seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall, caveats=tuple(self.caveats),
-            untimed=self.stages.untimed, host_paced=None if self.pace is None else self.pace.summary())
+            untimed=self.stages.untimed, host_paced=None if self.pace is None else self.pace.summary(),
+            rotation=float(getattr(self.strategy, "rotation", 0.0)), destinations_kept=kept)
 
     def summary(self) -> dict:
         """The report as JSON (``RunReport.summary``), what the run listeners get."""

@@ -23,6 +23,8 @@ class PlanRecord:
     h, w: token grid (of each frame of a video). window: (rows, cols) of the windows the method merges
     inside (ToMA's windows, ToMeSD's strides) for drawing their borders, None if unknown. plan: the
     MergePlan or BipartitePlan, or an IdentityPlan (nothing merged). frames: latent frames of a video grid (frames x h x w), 1 for an image.
+    previous: where destinations rotate, the level's record before this one (the map marks the tokens kept
+    now that were not kept then); None otherwise.
     """
 
     step: int
@@ -31,6 +33,7 @@ class PlanRecord:
     window: tuple[int, int] | None
     plan: object
     frames: int = 1
+    previous: "PlanRecord | None" = None
 
     @cached_property
     def _groups_and_kept(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +52,10 @@ class PlanRecord:
         return self._groups_and_kept[1]
 
 
-def record_plan(plan, step: int, grid: tuple[int, ...], strategy=None) -> PlanRecord:
+def record_plan(plan, step: int, grid: tuple[int, ...], strategy=None, previous: PlanRecord | None = None) -> PlanRecord:
     """The PlanRecord of ``plan`` used from ``step`` on, for a token grid (h, w) or (frames, h, w).
-    ``strategy`` gives the window of bipartite plans (its strides ``sy``, ``sx``)."""
+    ``strategy`` gives the window of bipartite plans (its strides ``sy``, ``sx``); ``previous``: the level's
+    record before it, where destinations rotate."""
     if isinstance(plan, MergePlan):
         window = (plan.grid.window_size, plan.grid.window_size)
     elif isinstance(plan, BipartitePlan):
@@ -60,4 +64,5 @@ def record_plan(plan, step: int, grid: tuple[int, ...], strategy=None) -> PlanRe
         window = None
     else:
         raise TypeError(f"cannot record a {type(plan).__name__}")
-    return PlanRecord(step, int(grid[-2]), int(grid[-1]), window, plan, int(grid[0]) if len(grid) == 3 else 1)
+    return PlanRecord(step, int(grid[-2]), int(grid[-1]), window, plan, int(grid[0]) if len(grid) == 3 else 1,
+                      previous)
