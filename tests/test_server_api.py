@@ -56,8 +56,8 @@ def test_object_info_lists_our_nodes_with_inputs_and_tooltips(client, pack):
     for name in PACK_NODES:
         assert name in info, f"{name} missing from /object_info"
         published = info[name]
-        declared = pack.NODE_CLASS_MAPPINGS[name].INPUT_TYPES()
-        assert published["display_name"] == pack.NODE_DISPLAY_NAME_MAPPINGS[name]
+        declared = pack.nodes.NODE_CLASS_MAPPINGS[name].INPUT_TYPES()
+        assert published["display_name"] == pack.nodes.NODE_DISPLAY_NAME_MAPPINGS[name]
         assert published["category"] == "model_patches/token_merging"
         assert published["output"] == ["MODEL"]
         assert list(published["input"]["required"]) == list(declared["required"])
