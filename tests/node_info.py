@@ -27,13 +27,14 @@ def canonical_input(spec) -> list:
 
 
 def canonical(info: dict) -> dict:
-    """The COMPARED fields of an /object_info entry (JSON as served), inputs as V1 writes them."""
+    """The COMPARED fields an /object_info entry has (JSON as served; the March-2024 server serves no
+    input_order or output_tooltips), inputs as V1 writes them."""
     info = json.loads(json.dumps(info))
     inputs = {group: {name: canonical_input(spec) for name, spec in specs.items()}
               for group, specs in info["input"].items() if group != "hidden"}
     inputs["hidden"] = {name: kind if isinstance(kind, str) else kind[0]
                         for name, kind in info["input"].get("hidden", {}).items()}
-    return {**{field: info.get(field) for field in COMPARED}, "input": inputs}
+    return {**{field: info[field] for field in COMPARED if field in info}, "input": inputs}
 
 
 def v1_info(node_id: str, v1: type, display_name: str) -> dict:
