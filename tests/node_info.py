@@ -7,11 +7,19 @@ widget), and a hidden input as ``["UNIQUE_ID"]`` where V1 serves ``"UNIQUE_ID"``
 validation read both alike. Everything else (names, order, types, defaults, ranges, tooltips,
 optional inputs, outputs, display name, category, description) must be the same.
 """
+import importlib.util
 import json
 
 # the fields of a V1 node's /object_info entry the front end reads to draw and run a node
 COMPARED = ("name", "display_name", "category", "description", "input", "input_order", "output", "output_name",
             "output_is_list", "output_tooltips", "output_node")
+
+
+def host_has_v3_schema() -> bool:
+    """Whether the ComfyUI in use has the V3 node schema, ``comfy_api.latest`` (July 2025 on), looked up here and
+    not through the pack's own detection. ComfyUI must be imported (on sys.path)."""
+    return (importlib.util.find_spec("comfy_api") is not None
+            and importlib.util.find_spec("comfy_api.latest") is not None)
 
 
 def canonical_input(spec) -> list:

@@ -4,7 +4,6 @@ Works against the pinned tree and against COMFYUI_PATH (sync vs async loader is 
 pinned tree, V3 nodes through comfy_entrypoint in trees with the V3 schema.
 """
 import asyncio
-import importlib.util
 import inspect
 import os
 import subprocess
@@ -12,6 +11,7 @@ import sys
 
 import pytest
 
+from node_info import host_has_v3_schema
 from toma_bench import comfy_host
 
 pytestmark = pytest.mark.comfy
@@ -19,11 +19,6 @@ pytestmark = pytest.mark.comfy
 
 def _run(value):
     return asyncio.run(value) if inspect.isawaitable(value) else value
-
-
-def _host_has_v3_schema() -> bool:
-    """Whether the ComfyUI in use has the V3 node schema (comfy_api.latest, July 2025 on)."""
-    return importlib.util.find_spec("comfy_api") is not None and importlib.util.find_spec("comfy_api.latest") is not None
 
 
 def _declared_nodes(module):
@@ -71,7 +66,7 @@ def test_pack_loads_through_comfyui_loader(comfy_registry, tmp_path):
         assert nodes.NODE_CLASS_MAPPINGS.get(node_id) is cls, f"{node_id} not registered by ComfyUI"
         assert nodes.NODE_DISPLAY_NAME_MAPPINGS.get(node_id) == v1.NODE_DISPLAY_NAME_MAPPINGS[node_id]
     # V3 through comfy_entrypoint where the host has the schema (a host takes NODE_CLASS_MAPPINGS first), else V1
-    if _host_has_v3_schema():
+    if host_has_v3_schema():
         from comfy_api.latest import io
 
         assert not hasattr(loaded[0], "NODE_CLASS_MAPPINGS") and hasattr(loaded[0], "comfy_entrypoint")

@@ -5,23 +5,17 @@ category and description (node_info.py says what "the same" means), and its exec
 input checks and the hidden unique_id included. tests/test_host_smoke.py checks the same through ComfyUI's
 loader, tests/test_server_api.py through a server's /object_info."""
 import asyncio
-import importlib.util
 import inspect
 
 import pytest
 
-from node_info import canonical, v1_info
+from node_info import canonical, host_has_v3_schema, v1_info
 from toma_bench import models
 
 pytestmark = pytest.mark.comfy
 
 TINY = dict(models.SD15_SMALL, num_res_blocks=[1, 1], channel_mult=[1, 2], transformer_depth=[1, 1],
             transformer_depth_output=[1, 1, 1, 1])
-
-
-def host_has_v3_schema() -> bool:
-    """Whether the ComfyUI in use has the V3 schema: its ``comfy_api.latest`` package (found here, not by the pack)."""
-    return importlib.util.find_spec("comfy_api") is not None and importlib.util.find_spec("comfy_api.latest") is not None
 
 
 def v3_nodes(pack) -> dict:
@@ -74,7 +68,8 @@ def test_a_new_input_or_node_is_v3_with_no_code_of_its_own(pack, v3):
     info = canonical(node.GET_NODE_INFO_V1())
 
     assert info == v1_info("ToMARotationProbe", WithRotation, "Probe")
-    assert info["input"]["optional"]["rotation"] == [["off", "per step"], {"default": "off", "tooltip": "Rotates windows."}]
+    rotation = [["off", "per step"], {"default": "off", "tooltip": "Rotates windows."}]
+    assert info["input"]["optional"]["rotation"] == rotation
 
 
 def test_a_v1_attribute_v3_would_drop_is_refused_naming_it(pack, v3):
