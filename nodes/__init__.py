@@ -1,5 +1,6 @@
-"""ComfyUI glue: model adapters (per model family) and the node classes."""
-from . import merge_map, toma_nodes, wan_video_wrapper
+"""ComfyUI glue: model adapters (per model family) and the node classes (V1 declarations; ``v3`` serves them in
+the V3 schema on hosts that have it)."""
+from . import merge_map, toma_nodes, v3, wan_video_wrapper
 
 NODE_CLASS_MAPPINGS = {**toma_nodes.NODE_CLASS_MAPPINGS, **merge_map.NODE_CLASS_MAPPINGS,
                        **wan_video_wrapper.NODE_CLASS_MAPPINGS}

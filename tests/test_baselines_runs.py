@@ -34,7 +34,7 @@ def recording_builds(monkeypatch, strategy_class, record):
 def test_tomesd_draws_new_cells_in_every_block_call_and_the_same_ones_in_every_run(pack, monkeypatch):
     cells = []
     recording_builds(monkeypatch, pack.toma_core.ToMeSD, lambda plan: cells.append(tuple(plan.dst_index[0].tolist())))
-    (patched,) = pack.NODE_CLASS_MAPPINGS["ToMeSDPatchModel"]().patch(models.build_unet("sd15", 0, config=UNET_TINY),
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS["ToMeSDPatchModel"]().patch(models.build_unet("sd15", 0, config=UNET_TINY),
                                                                       ratio=0.5, max_downsample=2)
     first = sample(patched, steps=3)
     first_cells, cells[:] = list(cells), []
@@ -52,7 +52,7 @@ def test_catome_computes_at_the_reference_steps(pack, monkeypatch, steps):
     core = pack.toma_core
     done, built_at = [0], []
     recording_builds(monkeypatch, core.CAToMe, lambda plan: built_at.append(done[0]))
-    (patched,) = pack.NODE_CLASS_MAPPINGS["CAToMePatchModel"]().patch(models.build_unet("sd15", 0, config=UNET_TINY),
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS["CAToMePatchModel"]().patch(models.build_unet("sd15", 0, config=UNET_TINY),
                                                                       threshold=0.5)
 
     def count_steps(step, *args):
@@ -72,7 +72,7 @@ def test_a_latent_too_small_for_a_plan_runs_unmerged_and_the_log_says_so_in_word
     are named in words, once, and the run goes on unmerged. (64 channels: GroupNorm needs more than one
     value per group on a 1x1 latent.)"""
     model = models.build_unet("sd15", 0, config=dict(UNET_TINY, model_channels=64))
-    (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(model, **inputs)
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS[node]().patch(model, **inputs)
 
     with caplog.at_level(logging.DEBUG, logger="ComfyUI-ToMA"):
         out = sampling.sample(patched, models.conditioning("sd15", 1, height=8, width=8), torch.zeros(1, 4, 1, 1),

@@ -270,7 +270,7 @@ def test_front_end_shows_live_stats(pack, browser, front_end):
                 # the pinned 2024 host predates Flux's core nodes, and v0.3.64 Flux.2's and Z-Image's: only ours
                 # must be known there
                 missing = page.evaluate(MISSING_NODE_TYPES, ui)
-                assert not set(missing) & set(pack.NODE_CLASS_MAPPINGS), f"{shipped.name}: {missing}"
+                assert not set(missing) & set(pack.nodes.NODE_CLASS_MAPPINGS), f"{shipped.name}: {missing}"
                 continue
             page.evaluate("(w) => window.app.loadGraphData(w)", ui)
             assert page.evaluate(MISSING_NODE_TYPES, ui) == [], f"{shipped.name}: node types missing"
@@ -297,7 +297,7 @@ def test_front_end_shows_live_stats(pack, browser, front_end):
         page.close()
         (ARTIFACTS / f"browser_console_{name}.txt").write_text("\n".join(problems) + "\n")
     info = client.object_info()
-    docs = {node: client.request("GET", help_page_url(node, info[node])) for node in pack.NODE_CLASS_MAPPINGS}
+    docs = {node: client.request("GET", help_page_url(node, info[node])) for node in pack.nodes.NODE_CLASS_MAPPINGS}
 
     assert others == [str(TOMA_NODE)], "stats must appear only on the node that patched the sampled model"
     check_stats_lines(lines)
@@ -391,7 +391,7 @@ def test_help_page_of_each_node_opens_without_errors(pack, browser, front_end):
     page, problems = open_front_end(browser, client)
     shown = {}
     try:
-        for node in sorted(pack.NODE_CLASS_MAPPINGS):
+        for node in sorted(pack.nodes.NODE_CLASS_MAPPINGS):
             title = (comfy_host.REPO / "web" / "docs" / f"{node}.md").read_text().splitlines()[0][2:]
             page.evaluate(OPEN_HELP, node)
             page.wait_for_function("(title) => [...document.querySelectorAll('h1')].some((h) => h.innerText === title)",
@@ -401,5 +401,5 @@ def test_help_page_of_each_node_opens_without_errors(pack, browser, front_end):
     finally:
         page.close()
 
-    assert sorted(shown) == sorted(pack.NODE_CLASS_MAPPINGS)
+    assert sorted(shown) == sorted(pack.nodes.NODE_CLASS_MAPPINGS)
     assert ours(problems) == [], "\n".join(problems)

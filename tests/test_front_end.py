@@ -15,7 +15,7 @@ def js_set(name: str) -> set[str]:
 
 
 def test_the_node_list_is_the_servers(pack):
-    classes = pack.NODE_CLASS_MAPPINGS
+    classes = pack.nodes.NODE_CLASS_MAPPINGS
     merge_nodes = {name for name, cls in classes.items() if cls.RETURN_TYPES in (("MODEL",), ("WANVIDEOMODEL",))}
     seeded = {name for name in merge_nodes if "seed" in classes[name].INPUT_TYPES()["required"]}
     assert js_set("MERGE_NODES") == merge_nodes and len(merge_nodes) == 6

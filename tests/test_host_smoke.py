@@ -1,6 +1,7 @@
 """The pack installs into a real ComfyUI the way users install it: through ComfyUI's own loader.
 
-Works against the pinned tree and against COMFYUI_PATH (sync vs async loader is feature-detected).
+Works against the pinned tree and against COMFYUI_PATH (sync vs async loader is feature-detected): V1 nodes in the
+pinned tree, V3 nodes through comfy_entrypoint in trees with the V3 schema.
 """
 import asyncio
 import inspect
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from node_info import host_has_v3_schema
 from toma_bench import comfy_host
 
 pytestmark = pytest.mark.comfy
@@ -20,7 +22,7 @@ def _run(value):
 
 
 def _declared_nodes(module):
-    """{node id: class} the pack declares: V1 NODE_CLASS_MAPPINGS, else a V3 comfy_entrypoint (current only)."""
+    """{node id: class} the pack declares: V1 NODE_CLASS_MAPPINGS, else a V3 comfy_entrypoint."""
     mapping = getattr(module, "NODE_CLASS_MAPPINGS", None)
     if mapping is not None:
         return dict(mapping)
@@ -58,10 +60,20 @@ def test_pack_loads_through_comfyui_loader(comfy_registry, tmp_path):
     loaded = [m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == init]
     assert len(loaded) == 1, f"expected ComfyUI to import {init} once, found {len(loaded)}"
     declared = _declared_nodes(loaded[0])
+    v1 = loaded[0].nodes  # the pack's V1 declarations, in the loader's copy of the pack
+    assert list(declared) == list(v1.NODE_CLASS_MAPPINGS)
     for node_id, cls in declared.items():
         assert nodes.NODE_CLASS_MAPPINGS.get(node_id) is cls, f"{node_id} not registered by ComfyUI"
-    for node_id, title in (getattr(loaded[0], "NODE_DISPLAY_NAME_MAPPINGS", None) or {}).items():
-        assert nodes.NODE_DISPLAY_NAME_MAPPINGS.get(node_id) == title
+        assert nodes.NODE_DISPLAY_NAME_MAPPINGS.get(node_id) == v1.NODE_DISPLAY_NAME_MAPPINGS[node_id]
+    # V3 through comfy_entrypoint where the host has the schema (a host takes NODE_CLASS_MAPPINGS first), else V1
+    if host_has_v3_schema():
+        from comfy_api.latest import io
+
+        assert not hasattr(loaded[0], "NODE_CLASS_MAPPINGS") and hasattr(loaded[0], "comfy_entrypoint")
+        assert all(issubclass(cls, io.ComfyNode) for cls in declared.values())
+    else:
+        assert not hasattr(loaded[0], "comfy_entrypoint")
+        assert all(cls is v1.NODE_CLASS_MAPPINGS[node_id] for node_id, cls in declared.items())
     web = getattr(loaded[0], "WEB_DIRECTORY", None)
     if web is not None and os.path.isdir(os.path.join(str(path), web)):
         assert os.path.abspath(os.path.join(str(path), web)) in nodes.EXTENSION_WEB_DIRS.values()

@@ -23,7 +23,7 @@ def sample(model, steps=2, cfg=5.0):
 
 
 def advanced(pack, model, scope, proportional=False, ratio=0.5, window_size=4, **inputs):
-    node = pack.NODE_CLASS_MAPPINGS["ToMAPatchModelAdvanced"]()
+    node = pack.nodes.NODE_CLASS_MAPPINGS["ToMAPatchModelAdvanced"]()
     return node.patch(model, ratio, window_size, 5, scope=scope, proportional_attention=proportional, **inputs)[0]
 
 
@@ -134,7 +134,7 @@ def test_each_kind_of_unet_gets_its_preset_and_the_basic_node_is_advanced_auto(p
     sdxl = models.build_unet("sdxl", seed=0)
     assert nodes.preset_of(model) is placement.PRESETS["sd1"] and nodes.preset_of(sdxl) is placement.PRESETS["sdxl"]
     preset = placement.PRESETS["sd1"]
-    basic = pack.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, 0.5, 4, 5)[0]
+    basic = pack.nodes.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, 0.5, 4, 5)[0]
     auto = advanced(pack, model, "auto", levels=preset.levels, weights_interval=preset.weights_interval,
                     start_percent=preset.start_percent, merge_every=preset.merge_every)
     strategy = pack.nodes.runtime.runtime_of(basic).strategy

@@ -38,7 +38,7 @@ def test_ratio_auto_is_the_kinds_ratio(pack, sd15, monkeypatch):
     a ratio set on the node wins."""
     nodes, placement = pack.nodes.toma_nodes, pack.nodes.placement
     for node in ("ToMAPatchModel", "ToMAPatchModelAdvanced"):
-        assert pack.NODE_CLASS_MAPPINGS[node].INPUT_TYPES()["required"]["ratio"][1]["default"] == -1
+        assert pack.nodes.NODE_CLASS_MAPPINGS[node].INPUT_TYPES()["required"]["ratio"][1]["default"] == -1
     monkeypatch.setitem(placement.PRESETS, "sd1", dataclasses.replace(placement.PRESETS["sd1"], ratio=0.6))
     basic = nodes.ToMAPatchModel().patch(sd15, nodes.DEFAULT_RATIO, nodes.DEFAULT_WINDOW, nodes.DEFAULT_REUSE)[0]
     assert strategy_of(pack, basic).ratio == 0.6

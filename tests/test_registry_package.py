@@ -153,8 +153,8 @@ def test_each_node_has_an_english_help_page_and_its_fallback(pack):
     """The front end asks for docs/<node>/<locale>.md first, then docs/<node>.md: English is the first,
     and the same page is the fallback for the other locales."""
     docs = REPO / "web" / "docs"
-    for node in pack.NODE_CLASS_MAPPINGS:
+    for node in pack.nodes.NODE_CLASS_MAPPINGS:
         english = (docs / node / "en.md").read_text()
         assert english.startswith("# "), node
         assert (docs / f"{node}.md").read_text() == english, f"docs/{node}.md differs from docs/{node}/en.md"
-    assert sorted(p.name for p in docs.iterdir() if p.is_dir()) == sorted(pack.NODE_CLASS_MAPPINGS)
+    assert sorted(p.name for p in docs.iterdir() if p.is_dir()) == sorted(pack.nodes.NODE_CLASS_MAPPINGS)

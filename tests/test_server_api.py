@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from toma_bench import server
+from node_info import COMPARED, canonical, v1_info
+from toma_bench import comfy_host, server
 
 pytestmark = [pytest.mark.server, pytest.mark.comfy]
 
@@ -56,14 +57,28 @@ def test_object_info_lists_our_nodes_with_inputs_and_tooltips(client, pack):
     for name in PACK_NODES:
         assert name in info, f"{name} missing from /object_info"
         published = info[name]
-        declared = pack.NODE_CLASS_MAPPINGS[name].INPUT_TYPES()
-        assert published["display_name"] == pack.NODE_DISPLAY_NAME_MAPPINGS[name]
+        declared = pack.nodes.NODE_CLASS_MAPPINGS[name].INPUT_TYPES()
+        assert published["display_name"] == pack.nodes.NODE_DISPLAY_NAME_MAPPINGS[name]
         assert published["category"] == "model_patches/token_merging"
         assert published["output"] == ["MODEL"]
         assert list(published["input"]["required"]) == list(declared["required"])
         for input_name, spec in published["input"]["required"].items():
             assert spec[1].get("tooltip", "").strip(), f"{name}.{input_name} has no tooltip"
         assert published["description"].strip()
+
+
+def test_object_info_serves_each_node_as_its_declaration(client, pack):
+    """V3 on a host with the schema, V1 on the pinned tree: /object_info shows what the V1 declaration says (the
+    front end lays out widgets and loads saved workflows by it), and the pack's module (the help pages' folder)."""
+    info = client.object_info()
+
+    for node_id, v1 in pack.nodes.NODE_CLASS_MAPPINGS.items():
+        served = canonical(info[node_id])
+        declared = v1_info(node_id, v1, pack.nodes.NODE_DISPLAY_NAME_MAPPINGS[node_id])
+        assert served == {field: declared[field] for field in served}, node_id
+        if comfy_host.is_current_comfy():  # the March-2024 server serves neither these fields nor python_module
+            assert set(served) == set(COMPARED), node_id
+            assert info[node_id]["python_module"] == f"custom_nodes.{comfy_host.PACK_DIRNAME}"
 
 
 def test_api_workflow_runs_with_progress_and_saves_an_image(client):

@@ -263,8 +263,8 @@ def test_every_node_of_the_pack_is_used_in_a_shipped_workflow(pack):
     in_api = {node["class_type"] for name in API_FILES for node in server.load_workflow(name).values()}
     in_ui = {node["type"] for name in UI_FILES for node in server.load_workflow(name)["nodes"]}
 
-    assert set(pack.NODE_CLASS_MAPPINGS) - in_api == set()
-    assert set(pack.NODE_CLASS_MAPPINGS) - in_ui == set()
+    assert set(pack.nodes.NODE_CLASS_MAPPINGS) - in_api == set()
+    assert set(pack.nodes.NODE_CLASS_MAPPINGS) - in_ui == set()
 
 
 @pytest.mark.parametrize("name", API_FILES)

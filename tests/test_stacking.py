@@ -32,7 +32,7 @@ def run_node(name, **inputs):
     from toma_bench import comfy_host
     import nodes  # ComfyUI's nodes.py
 
-    mappings = {**nodes.NODE_CLASS_MAPPINGS, **comfy_host.load_pack().NODE_CLASS_MAPPINGS}
+    mappings = {**nodes.NODE_CLASS_MAPPINGS, **comfy_host.load_pack().nodes.NODE_CLASS_MAPPINGS}
     if name not in mappings:
         pytest.skip(f"{name} is not in this ComfyUI")
     cls = mappings[name]
@@ -174,7 +174,7 @@ def test_two_toma_nodes_the_one_nearer_the_sampler_wins_where_both_merge(pack, u
     assert merged_levels(pack, outer)["16x16 (1/1)"]["merged_tokens"] == 192  # 0.25 of 256 merged away
     assert set(merged_levels(pack, inner)) == {"8x8 (1/2)"}  # the inner node keeps the level left to it
     # the merge map of the stack shows both: 1/1 from the outer node, 1/2 from the inner one
-    merge_map = pack.NODE_CLASS_MAPPINGS["ToMAMergeMap"]()
+    merge_map = pack.nodes.NODE_CLASS_MAPPINGS["ToMAMergeMap"]()
     latent = {"samples": torch.zeros(1, 4, *SHAPE[1:])}
     for level in (0, 1):
         (picture,) = merge_map.draw(outer, latent, level=level)

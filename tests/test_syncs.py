@@ -56,7 +56,7 @@ def check_bound(counter: SyncCounter, allowed_sites=()) -> None:
 @pytest.mark.parametrize("method", list(UNET_METHODS))
 def test_unet_sampling_host_waits_per_model_call_within_bound(pack, method, monkeypatch):
     node, inputs = UNET_METHODS[method]
-    (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(models.build_unet("sd15", 0, config=UNET_TINY), **inputs)
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS[node]().patch(models.build_unet("sd15", 0, config=UNET_TINY), **inputs)
     builds = []
     build = pack.toma_core.CAToMe.build
     monkeypatch.setattr(pack.toma_core.CAToMe, "build", lambda *a, **k: builds.append(1) or build(*a, **k))

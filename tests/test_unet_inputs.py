@@ -78,7 +78,7 @@ def sd15(pack):
                          ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in i.items())}" for n, i, _ in BAD_INPUTS])
 def test_bad_input_raises_naming_input_and_range(pack, sd15, node, inputs, words):
     with pytest.raises(ValueError) as error:
-        pack.NODE_CLASS_MAPPINGS[node]().patch(sd15, **inputs)
+        pack.nodes.NODE_CLASS_MAPPINGS[node]().patch(sd15, **inputs)
 
     message = str(error.value)
     missing = [w for w in words if w not in message]
@@ -89,7 +89,7 @@ def test_bad_input_leaves_the_model_alone(pack, sd15):
     before = (dict(sd15.model_options), dict(sd15.object_patches))
 
     with pytest.raises(ValueError):
-        pack.NODE_CLASS_MAPPINGS["ToMAPatchModelAdvanced"]().patch(sd15, **dict(TOMA, scope="everything"))
+        pack.nodes.NODE_CLASS_MAPPINGS["ToMAPatchModelAdvanced"]().patch(sd15, **dict(TOMA, scope="everything"))
 
     assert (dict(sd15.model_options), dict(sd15.object_patches)) == before
 
@@ -99,7 +99,7 @@ def test_unet_without_middle_block(pack):
     model = models.build_unet("sd15", seed=0, config=dict(NARROW_SD15, transformer_depth_middle=-2))
     assert model.model.diffusion_model.middle_block is None
     assert pack.nodes.adapters.unet.attention_levels(model.model.diffusion_model) == [1, 2, 4]
-    (patched,) = pack.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, **TOMA)
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, **TOMA)
     conditioning = models.conditioning("sd15", 1, height=128, width=128)
 
     out = sampling.sample(patched, conditioning, torch.zeros(1, 4, 16, 16), steps=1)
@@ -141,7 +141,7 @@ def test_unsupported_model_is_returned_unpatched_with_a_log_message(pack, unsupp
     model = unsupported[kind]
 
     with caplog.at_level(logging.INFO, logger="ComfyUI-ToMA"):
-        (out,) = pack.NODE_CLASS_MAPPINGS[node]().patch(model, **NODE_INPUTS[node])
+        (out,) = pack.nodes.NODE_CLASS_MAPPINGS[node]().patch(model, **NODE_INPUTS[node])
 
     assert out.model is model.model
     assert unpatched(out)

@@ -38,7 +38,7 @@ def sample(model, arch, shape=SQUARE, *, steps=1, latent=None, **options):
 
 
 def patch(pack, node, model, **inputs):
-    (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(model, **inputs)
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS[node]().patch(model, **inputs)
     return patched
 
 

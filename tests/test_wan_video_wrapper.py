@@ -48,7 +48,7 @@ def wrapper(request, pack):
 
 @pytest.fixture
 def node(pack):
-    return pack.NODE_CLASS_MAPPINGS[NODE]()
+    return pack.nodes.NODE_CLASS_MAPPINGS[NODE]()
 
 
 def patch_of(model):
@@ -114,7 +114,7 @@ def test_stats_reach_the_node_and_the_merge_map_draws_the_run(wrapper, pack, nod
     # each model call of the last step reports (the sampler's last call is not known as such): the last, whole
     assert "video 3x4x4: 48 -> 24 tokens, 3 steps merged" in stats[-1]["lines"]
     assert "s sampling" in stats[-1]["lines"][-1] and "a 3-step run" in stats[-1]["summary"]["short_run"]
-    merge_map = pack.NODE_CLASS_MAPPINGS["ToMAMergeMapWanVideoWrapper"]()
+    merge_map = pack.nodes.NODE_CLASS_MAPPINGS["ToMAMergeMapWanVideoWrapper"]()
     (picture,) = merge_map.draw(patched, {"samples": samples[None]}, level=0, step=-1)
     assert picture.shape == (1, 8 * 8, 8 * 8, 3)
     with pytest.raises(ValueError, match="ToMA Token Merge \\(WanVideoWrapper\\)"):
