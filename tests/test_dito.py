@@ -182,7 +182,7 @@ def sample(model, arch="flux", hw=(24, 24), steps=6, batch=2):
 
 
 def dito(pack, model, ratio=0.5, interval=3, penalty=0.5):
-    (patched,) = pack.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(model, ratio, interval, penalty)
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(model, ratio, interval, penalty)
     return patched, pack.nodes.runtime.runtime_of(patched)
 
 
@@ -192,7 +192,7 @@ def dito(pack, model, ratio=0.5, interval=3, penalty=0.5):
 def test_node_changes_the_output_at_half_and_not_at_zero(pack, built, arch):
     model = built[arch]
     reference = sample(model, arch)
-    (off,) = pack.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(model, 0.0, 3, 0.5)
+    (off,) = pack.nodes.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(model, 0.0, 3, 0.5)
     assert torch.equal(sample(off, arch), reference)
     patched, runtime = dito(pack, model)
     out = sample(patched, arch)
@@ -253,7 +253,7 @@ def test_no_state_leaks_between_runs(pack, built):
 ])
 def test_bad_inputs_name_the_input_and_range(pack, built, inputs, words):
     with pytest.raises(ValueError) as error:
-        pack.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(built["flux"], **inputs)
+        pack.nodes.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(built["flux"], **inputs)
     assert all(w in str(error.value) for w in words), str(error.value)
 
 
@@ -261,7 +261,7 @@ def test_bad_inputs_name_the_input_and_range(pack, built, inputs, words):
 def test_a_unet_comes_back_unpatched_with_a_message(pack, caplog):
     unet = models.build_unet("sd15", seed=0, config=dict(models.SD15_SMALL, model_channels=32, num_heads=4))
     with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
-        (out,) = pack.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(unet, 0.5)
+        (out,) = pack.nodes.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(unet, 0.5)
     assert out is unet
     assert "DiTo is for DiTs" in caplog.text and "unpatched" in caplog.text
 
@@ -274,7 +274,7 @@ def test_compiles_without_a_graph_break(pack, built):
     reduction), none in a second run, and the eager output."""
     from toma_bench import compiling
 
-    (patched,) = pack.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(built["flux"], 0.5, 2, 0.5)
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS["DiToPatchModel"]().patch(built["flux"], 0.5, 2, 0.5)
     run = lambda m: sample(m, hw=(16, 16), steps=4, batch=1)  # noqa: E731
     with compiling.constant_free_memory():
         eager = run(patched)

@@ -91,7 +91,7 @@ def test_the_readme_lists_every_node(pack):
     """The README's node table names every node the pack registers (new nodes need a row), and no other."""
     section = README.split("## The nodes", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"^\| \*\*.*?\*\* \(`(\w+)`\)", section, re.M))
-    assert named == set(pack.NODE_CLASS_MAPPINGS)
+    assert named == set(pack.nodes.NODE_CLASS_MAPPINGS)
 
 
 def shipped_workflows() -> set[str]:

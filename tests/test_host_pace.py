@@ -71,7 +71,7 @@ def unet():
 
 
 def toma(pack, model, node="ToMAPatchModel", **inputs):
-    (patched,) = pack.NODE_CLASS_MAPPINGS[node]().patch(model, **(inputs or TOMA))
+    (patched,) = pack.nodes.NODE_CLASS_MAPPINGS[node]().patch(model, **(inputs or TOMA))
     return patched
 
 
