@@ -93,12 +93,10 @@ def cache_steps(model, run):
 def test_the_adapter_finds_it_by_its_class_and_blocks(pack, q21, model):
     """Model detection's classes (supported_models, model_base, the diffusion model under
     comfy.ldm.qwen_image21.model) give the Qwen-Image 2.1 family; its blocks take what the patched forward passes."""
-    import comfy.model_base
-    import comfy.supported_models
 
     families = pack.nodes.adapters.families
-    assert isinstance(model.model, comfy.model_base.QwenImage21)
-    assert isinstance(model.model.model_config, comfy.supported_models.QwenImage21)
+    assert isinstance(model.model, q21.tree_class("comfy.model_base"))
+    assert isinstance(model.model.model_config, q21.tree_class("comfy.supported_models"))
     assert type(model.model.diffusion_model) is importlib.import_module(q21.MODULE).QwenImage21Transformer2DModel
     assert pack.nodes.adapters.adapter_for(model) is families.QWEN_IMAGE21
     assert families.QWEN_IMAGE21.unserved(model.model.diffusion_model) is None

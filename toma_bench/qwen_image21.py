@@ -90,7 +90,8 @@ class PreferredAttention(nn.Module):
         self.function = None
 
 
-ComfyAttention = getattr(host_attention, "ComfyAttention", PreferredAttention)
+# read from the module's namespace: a tree older than v0.37 has no such class (the stand-in takes its place)
+ComfyAttention = vars(host_attention).get("ComfyAttention", PreferredAttention)
 # whether the host's attention functions take preferred_attention themselves (a tree with ComfyAttention does)
 HOST_PREFERS = hasattr(host_attention, "ComfyAttention")
 
@@ -578,7 +579,7 @@ def installed():
     package.model = sys.modules[__name__]
     saved = {name: sys.modules.get(name) for name in (package.__name__, MODULE)}
     sys.modules[package.__name__], sys.modules[MODULE] = package, sys.modules[__name__]
-    comfy.ldm.qwen_image21 = package
+    setattr(comfy.ldm, PACKAGE_LEAF, package)
     for module, name, stand_in in PLACES:
         setattr(sys.modules[module], name, stand_in)
     try:
@@ -586,7 +587,7 @@ def installed():
     finally:
         for module, name, _ in PLACES:
             delattr(sys.modules[module], name)
-        delattr(comfy.ldm, "qwen_image21")
+        delattr(comfy.ldm, PACKAGE_LEAF)
         for name, module in saved.items():
             if module is None:
                 sys.modules.pop(name, None)
@@ -595,13 +596,22 @@ def installed():
 
 
 
+PACKAGE_LEAF = "qwen_image21"  # comfy.ldm's package of the model in trees from v0.37 on
+
+
+def tree_class(module: str, name: str = "QwenImage21"):
+    """The class ``name`` of ComfyUI's ``module`` as the tree (or, inside ``installed()``, the stand-in) has it:
+    looked up by name, since trees before v0.37 have none."""
+    return vars(sys.modules[module])[name]
+
+
 def build(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
     """A ComfyUI ModelPatcher around a random-weight Qwen-Image 2.1 (TINY unless ``config``), built from
     ``comfy.supported_models.QwenImage21`` as ComfyUI builds a checkpoint of it: the tree's own class, or inside
     ``installed()`` the stand-in. The shared modulation's weights are scaled up by MODULATION_GAIN."""
     from . import models
 
-    base = models._random_dit(comfy.supported_models.QwenImage21(dict(config or TINY)), seed, dtype, device)
+    base = models._random_dit(tree_class("comfy.supported_models")(dict(config or TINY)), seed, dtype, device)
     with torch.no_grad():
         base.diffusion_model.modulation[1].weight.mul_(MODULATION_GAIN)
     return models._patcher(base)
