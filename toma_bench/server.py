@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -56,16 +57,28 @@ class PromptRefused(Exception):
 
 
 class Websocket:
-    """A synchronous client of one websocket (ComfyUI's ``/ws``) on aiohttp, driven by an event loop of its own:
-    ``receive`` runs the loop until a frame comes or the timeout passes."""
+    """A synchronous client of one websocket (ComfyUI's ``/ws``) on aiohttp, driven by an event loop of its own in a
+    thread of its own: ``receive`` waits until a frame comes or the timeout passes."""
 
     def __init__(self, url: str, timeout: float):
+        # the loop runs in a thread of its own: a caller whose thread already runs an event loop (Playwright's
+        # sync API, in the browser tests) cannot run a second one in it
         self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="toma-websocket", daemon=True)
+        self._thread.start()
         try:
-            self._session, self._ws = self._loop.run_until_complete(self._connect(url, timeout))
+            self._session, self._ws = self._run(self._connect(url, timeout))
         except BaseException:
-            self._loop.close()
+            self._stop()
             raise
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _stop(self):
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     @staticmethod
     async def _connect(url: str, timeout: float):
@@ -80,7 +93,7 @@ class Websocket:
         """The next text (str) or binary (bytes) frame; None when none came within ``timeout`` seconds. Raises
         ConnectionError when the server closed the websocket."""
         try:
-            message = self._loop.run_until_complete(self._ws.receive(timeout))
+            message = self._run(self._ws.receive(timeout))
         except asyncio.TimeoutError:
             return None
         if message.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
@@ -93,9 +106,9 @@ class Websocket:
             await self._session.close()
 
         try:
-            self._loop.run_until_complete(closed())
+            self._run(closed())
         finally:
-            self._loop.close()
+            self._stop()
 
 
 @dataclass
