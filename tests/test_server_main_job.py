@@ -454,3 +454,10 @@ def test_main_job_on_a_checkpoint_runs_all_methods_and_writes_pictures(comfy, tm
         assert float(wall) > 0 and float(cpu) > 0
     assert "attention: sdpa -> Using pytorch" in printed
     assert "no text encoder: random test conditioning" in printed
+
+
+def test_constraints_pin_the_installed_torch_family_and_skip_what_is_absent(monkeypatch):
+    """A Python without torchaudio (CI's) pins torch and torchvision and says nothing of torchaudio."""
+    versions = {"torch": "2.14.1", "torchvision": "0.29.1"}
+    monkeypatch.setattr(comfy_requirements, "installed_version", versions.get)
+    assert comfy_requirements.constraints() == ["torch==2.14.1", "torchvision==0.29.1"]

@@ -39,12 +39,16 @@ def essential(root: Path) -> list[str]:
     return lines
 
 
-def is_installed(name: str) -> bool:
+def installed_version(name: str) -> str | None:
+    """The version of the installed distribution ``name``; None when this Python lacks it."""
     try:
-        importlib.metadata.distribution(name)
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+        return None
+
+
+def is_installed(name: str) -> bool:
+    return installed_version(name) is not None
 
 
 def missing(root: Path) -> list[str]:
@@ -53,8 +57,9 @@ def missing(root: Path) -> list[str]:
 
 
 def constraints() -> list[str]:
-    """``name==version`` of each installed package of KEPT."""
-    return [f"{name}=={importlib.metadata.version(name)}" for name in KEPT if is_installed(name)]
+    """``name==version`` of each installed package of KEPT (a Python without torchaudio pins the other two)."""
+    versions = {name: installed_version(name) for name in KEPT}
+    return [f"{name}=={version}" for name, version in versions.items() if version is not None]
 
 
 def install(requirements: list[str]) -> None:
