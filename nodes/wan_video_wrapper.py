@@ -31,7 +31,7 @@ the stats with the input named. Then the runtime settles the call's decisions (`
 the model runs; in each merged block (every block but the first 5/38, as on native Wan) the self-attention
 hook plans the block's grid from its values (the self-attention sees no block input: the values are a linear
 map of it, layer-normalised as the native blocks' inputs are), merges keys and values alike by the plan
-(``dit.MergedKeysValues``: each merged key is its group's weighted average after RoPE), shortens ``seq_lens``
+(``attention_override.MergedKeysValues``: each merged key is its group's weighted average after RoPE), shortens ``seq_lens``
 (the key lengths flash attention's varlen kernel reads) by the tokens merged away, and hands them on:
 queries stay whole, nothing is unmerged. With proportional attention the hook calls the wrapper's
 ``attention()`` itself on heads padded with the key bias (``toma_core.attention``) and applies ``o`` to the
@@ -57,7 +57,9 @@ import torch.nn.functional as F
 from ..toma_core import ROTATION_STRENGTH, ReuseSchedule
 from ..toma_core.attention import heads_with_key_bias
 from . import placement
-from .adapters.dit import TOKEN_COUNT, VIDEO, MergedKeysValues, merged_blocks
+from .adapters.attention_override import MergedKeysValues
+from .adapters.dit import TOKEN_COUNT
+from .adapters.layout import VIDEO, merged_blocks
 from .adapters.wan import per_frame
 from .inputs import check_inputs
 from .live_stats import stats_sender

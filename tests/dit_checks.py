@@ -132,7 +132,7 @@ def check_no_state_leak(pack, patched, runtime, sample, other, grid):
         again = report.levels[level].records[0].plan.destinations
         assert again is not destinations and torch.equal(again, destinations)
     assert {key.level.grid for key in report.plans} == {grid}
-    assert pack.nodes.adapters.dit.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
+    assert pack.nodes.adapters.layout.LAYOUT_KEY not in patched.model_options.get("transformer_options", {})
 
 
 def spy(seen, add=1.0, passes=()):

@@ -227,8 +227,8 @@ def test_the_overrides_carry_the_chain_contract(pack, case, attention):
     spec.sample(patched)
     ours = [o for o in recorder.overrides if o is not unmarked and o is not None]
     assert ours, "no attention call came through an override of ToMA's"
-    dit = pack.nodes.adapters.dit
-    kinds = {dit.MergedKeysValues, dit.MergedAttention}
+    overrides = pack.nodes.adapters.attention_override
+    kinds = {overrides.MergedKeysValues, overrides.MergedAttention}
     for override in ours:
         assert type(override) in kinds
         found = attention_chain.audit(override)

@@ -4,7 +4,7 @@
 Both caches swap in their own copy of the diffusion model's ``forward_orig`` (or ``_forward``, or
 ``forward``) for the model call, and their copies call the blocks without ``transformer_options`` (Wan's
 hands them beside ``original_block``). The block patches then find the call's layout on the runtime,
-where the model-call wrapper stashed it (dit.LayoutStash). Where a cache replaces the diffusion model's
+where the model-call wrapper stashed it (adapters.layout.LayoutStash). Where a cache replaces the diffusion model's
 ``forward`` itself (TeaCache on Lumina 2, HiDream, LTX-Video), that wrapper never runs: those families
 read the layout outside the diffusion model too (DiTFamily.read_outside).
 

@@ -104,9 +104,8 @@ def test_an_override_already_set_is_chained(pack, flux):
 
 
 def test_host_without_attention_override_merges_whole_blocks(pack, flux, monkeypatch, caplog):
-    dit = pack.nodes.adapters.dit
     block, _ = toma_patched(pack, flux, scope="block")
-    monkeypatch.setattr(dit, "attention_override_supported", lambda: False)
+    monkeypatch.setattr(pack.nodes.adapters.attention_override, "attention_override_supported", lambda: False)
     with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
         fallback, _ = attention_scope(pack, flux)
         out = sample(fallback)
@@ -117,12 +116,12 @@ def test_host_without_attention_override_merges_whole_blocks(pack, flux, monkeyp
 def test_failing_merge_runs_the_attention_unmerged(pack, flux, monkeypatch, caplog):
     """An exception inside the override (here from merging) never stops sampling: that attention call
     runs unmerged, and the log says so once."""
-    dit = pack.nodes.adapters.dit
+    overrides = pack.nodes.adapters.attention_override
 
     def broken(self, q, k, v, heads, **kwargs):
         raise RuntimeError("merge broke")
 
-    monkeypatch.setattr(dit.MergedAttention, "transform", broken)
+    monkeypatch.setattr(overrides.MergedAttention, "transform", broken)
     patched, _ = attention_scope(pack, flux)
     with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
         out = sample(patched)
@@ -138,6 +137,7 @@ def test_one_double_block_by_hand(pack, flux):
     from comfy.ldm.flux.math import apply_rope
 
     dit, dm = pack.nodes.adapters.dit, flux.model.diffusion_model
+    layouts = pack.nodes.adapters.layout
     block, (h, w), txt_len, B = dm.double_blocks[1], (6, 5), 7, 2
     g = torch.Generator().manual_seed(3)
     r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
@@ -153,7 +153,7 @@ def test_one_double_block_by_hand(pack, flux):
         return dict(zip(("img", "txt"), out))
 
     args = {"img": img.clone(), "txt": txt.clone(), "vec": vec, "pe": pe, "attn_mask": None,
-            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: dit.ImageLayout(h, w)}}
+            "transformer_options": {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layouts.ImageLayout(h, w)}}
     _, runtime = attention_scope(pack, flux)
     with torch.no_grad():
         got = dit.DiTPatch(runtime, attention_only=True).double_block(args, {"original_block": original})
@@ -238,14 +238,14 @@ def test_keys_values_override_by_hand(pack, layout, proportional):
     from comfy.ldm.modules.attention import attention_pytorch
     from toma_core.plan import plan_tiles
 
-    dit = pack.nodes.adapters.dit
+    overrides = pack.nodes.adapters.attention_override
     B, H, D, txt, (h, w), extra = 2, 3, 16, 5, (6, 8), 3
     tokens, g = h * w, torch.Generator().manual_seed(0)
     L = txt + tokens + extra
     q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
     plan = plan_tiles(torch.randn(B, tokens, 32, generator=g), (h, w), 4, 0.5, generator=g)
     mask = torch.randn(B, 1, L, L, generator=g)
-    override = dit.MergedKeysValues(Clock(), [(txt, tokens, plan)], L, proportional)
+    override = overrides.MergedKeysValues(Clock(), [(txt, tokens, plan)], L, proportional)
     func = getattr(attention_pytorch, "__wrapped__", attention_pytorch)
     if layout == "heads":
         out = override(func, q, k, v, H, skip_reshape=True, mask=mask)
@@ -283,7 +283,7 @@ def test_keys_values_merged_key_is_the_groups_average(pack):
     """Each merged key is M times the group's rotated keys, as each merged value is M times its values (not the
     destination token's own key): with the value rows set to the key rows, the attention call sees equal
     merged keys and values in every head."""
-    dit = pack.nodes.adapters.dit
+    overrides = pack.nodes.adapters.attention_override
     q, k, v, plan, L = keys_values_case(5)
     B, H, _, D = k.shape
     seen = {}
@@ -292,7 +292,7 @@ def test_keys_values_merged_key_is_the_groups_average(pack):
         seen.update(k=k, v=v)
         return q.transpose(1, 2).reshape(B, q.shape[2], heads * D)
 
-    dit.MergedKeysValues(Clock(), [(3, 64, plan)], L)(func, q, k, k.clone(), H, skip_reshape=True)
+    overrides.MergedKeysValues(Clock(), [(3, 64, plan)], L)(func, q, k, k.clone(), H, skip_reshape=True)
     expected = merged_rows_by_hand(plan, k, 3, 64)
     assert seen["k"].shape[2] == L - (64 - plan.num_merged)
     assert torch.allclose(seen["k"], expected, atol=1e-6) and torch.allclose(seen["k"], seen["v"], atol=1e-6)
@@ -307,7 +307,7 @@ def test_keys_values_with_proportional_attention_reproduce_groups_of_equal_keys(
     its mass sums exp(q.k) over the tokens it stands for; without proportional attention the output differs."""
     from comfy.ldm.modules.attention import attention_pytorch
 
-    dit = pack.nodes.adapters.dit
+    overrides = pack.nodes.adapters.attention_override
     q, k, v, plan, L = keys_values_case(6)
     B, H, _, D = k.shape
     txt, (h, w), window = 3, (8, 8), 4
@@ -319,7 +319,7 @@ def test_keys_values_with_proportional_attention_reproduce_groups_of_equal_keys(
     expected = reference_attention(q, k, v).transpose(1, 2).reshape(B, L, H * D)
 
     def call(proportional):
-        override = dit.MergedKeysValues(Clock(), [(txt, h * w, plan)], L, proportional)
+        override = overrides.MergedKeysValues(Clock(), [(txt, h * w, plan)], L, proportional)
         if layout == "heads":
             return override(func, q, k, v, H, skip_reshape=True)
         return override(func, *(t.transpose(1, 2).reshape(B, L, H * D) for t in (q, k, v)), H)
@@ -331,7 +331,7 @@ def test_keys_values_with_proportional_attention_reproduce_groups_of_equal_keys(
 def test_keys_values_override_passes_other_calls(pack):
     """Only the first call over the block's own sequence is its self-attention: a cross-attention call (other
     keys), and any call after the self-attention, pass to the attention function as they came."""
-    dit = pack.nodes.adapters.dit
+    overrides = pack.nodes.adapters.attention_override
     calls = []
 
     def func(q, k, v, heads, **kwargs):
@@ -341,7 +341,7 @@ def test_keys_values_override_passes_other_calls(pack):
     from toma_core.plan import plan_tiles
     g = torch.Generator().manual_seed(1)
     plan = plan_tiles(torch.randn(1, 16, 8, generator=g), (4, 4), 4, 0.5, generator=g)
-    override = dit.MergedKeysValues(Clock(), [(0, 16, plan)], 16)
+    override = overrides.MergedKeysValues(Clock(), [(0, 16, plan)], 16)
     x, text = torch.randn(1, 16, 8), torch.randn(1, 16 + 1, 8)
     override(func, x, text, text, 2)  # cross-attention first: passes
     override(func, x, x, x, 2)
@@ -355,14 +355,14 @@ def test_proportional_attention_scope_by_hand(pack):
     from comfy.ldm.modules.attention import attention_pytorch
     from toma_core.plan import plan_tiles
 
-    dit = pack.nodes.adapters.dit
+    overrides = pack.nodes.adapters.attention_override
     B, H, D, txt, (h, w) = 2, 2, 8, 4, (4, 6)
     tokens, g = h * w, torch.Generator().manual_seed(2)
     L = txt + tokens
     q, k, v = (torch.randn(B, H, L, D, generator=g) for _ in range(3))
     plan = plan_tiles(torch.randn(B, tokens, 16, generator=g), (h, w), 4, 0.5, generator=g)
     func = getattr(attention_pytorch, "__wrapped__", attention_pytorch)
-    override = dit.MergedAttention(Clock(), plan, txt, tokens, L, proportional=True)
+    override = overrides.MergedAttention(Clock(), plan, txt, tokens, L, proportional=True)
     out = override(func, q, k, v, H, skip_reshape=True)
     mq, mk, mv = (merged_rows_by_hand(plan, t, txt, tokens) for t in (q, k, v))
     bias = torch.cat([torch.zeros(B, txt), plan.log_mass], 1)
@@ -396,7 +396,7 @@ def test_keys_values_override_merges_each_grid_by_its_own_plan(pack):
     from comfy.ldm.modules.attention import attention_pytorch
     from toma_core.plan import plan_tiles
 
-    dit = pack.nodes.adapters.dit
+    overrides = pack.nodes.adapters.attention_override
     B, H, D, txt, gap = 2, 2, 8, 3, 2
     g = torch.Generator().manual_seed(4)
     image = plan_tiles(torch.randn(B, 24, 16, generator=g), (4, 6), 4, 0.5, generator=g)
@@ -405,7 +405,7 @@ def test_keys_values_override_merges_each_grid_by_its_own_plan(pack):
     L = txt + 24 + gap + 16 + 1
     q, k, v = (torch.randn(B, L, H * D, generator=g) for _ in range(3))
     func = getattr(attention_pytorch, "__wrapped__", attention_pytorch)
-    out = dit.MergedKeysValues(Clock(), spans, L, proportional=True)(func, q, k, v, H)
+    out = overrides.MergedKeysValues(Clock(), spans, L, proportional=True)(func, q, k, v, H)
 
     keys, values, bias, cursor = [], [], [], 0
     for begin, tokens, plan in spans:

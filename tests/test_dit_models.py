@@ -63,7 +63,7 @@ def _flux_call(pack, model, h, w, txt_len, extra_hw, batch=2):
             "vec": torch.randn(batch, C, generator=g), "pe": pe,
             "attn_mask": torch.arange(L * L, dtype=torch.float32).view(1, L, L),
             "transformer_options": {"sigmas": torch.tensor([1.0]),
-                                    pack.nodes.adapters.dit.LAYOUT_KEY: pack.nodes.adapters.dit.ImageLayout(h, w, n_img - h * w)}}
+                                    pack.nodes.adapters.layout.LAYOUT_KEY: pack.nodes.adapters.layout.ImageLayout(h, w, n_img - h * w)}}
     return args, lambda rows: dm.pe_embedder(ids[rows][None])[0, 0]
 
 
@@ -107,14 +107,15 @@ def test_merged_block_call_gets_destination_positions(pack, built, block):
 def test_sd3_last_block_returns_no_text(pack, built):
     """SD3's last joint block has a pre-only context stream and returns txt=None: the patch passes it on."""
     model, dit = built["sd3"], pack.nodes.adapters.dit
+    layouts = pack.nodes.adapters.layout
     dm = model.model.diffusion_model
     last = len(dm.joint_blocks) - 1
-    assert last in dit.merged_blocks(len(dm.joint_blocks), dit.TWO_STREAM)
+    assert last in layouts.merged_blocks(len(dm.joint_blocks), layouts.TWO_STREAM)
     g = torch.Generator().manual_seed(5)
     C = dm.hidden_size
     args = {"img": torch.randn(1, 6 * 5, C, generator=g), "txt": torch.randn(1, 11, C, generator=g),
             "vec": torch.randn(1, C, generator=g),
-            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: dit.ImageLayout(6, 5)}}
+            "transformer_options": {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layouts.ImageLayout(6, 5)}}
 
     def block(a):
         txt, img = dm.joint_blocks[last](a["txt"], a["img"], c=a["vec"],

@@ -171,7 +171,7 @@ def _block_call(pack, model, frames, h, w, txt_len, lead_frames, batch=2, video_
     (frame, row, col) ids of the video and zeros for the text, in the joint order (``video_first``:
     [video, txt], else [txt, video]), a text mask as one key row, and image-to-video v2 modulation ranges
     when the first ``lead_frames`` frame leads unmerged."""
-    dit = pack.nodes.adapters.dit
+    layouts = pack.nodes.adapters.layout
     dm = model.model.diffusion_model
     g = torch.Generator().manual_seed(6)
     t, r, c = torch.meshgrid(torch.arange(frames), torch.arange(h), torch.arange(w), indexing="ij")
@@ -180,13 +180,13 @@ def _block_call(pack, model, frames, h, w, txt_len, lead_frames, batch=2, video_
     n_img, C = frames * h * w, dm.hidden_size
     L = n_img + txt_len
     lead = lead_frames * h * w
-    layout = dit.ImageLayout(h, w, frames=frames - lead_frames, lead=lead)
+    layout = layouts.ImageLayout(h, w, frames=frames - lead_frames, lead=lead)
     args = {"img": torch.randn(batch, n_img, C, generator=g), "txt": torch.randn(batch, txt_len, C, generator=g),
             "vec": torch.randn(batch, 2, C, generator=g), "pe": dm.pe_embedder(ids[None].expand(batch, -1, -1)),
             "attention_mask": torch.arange(L, dtype=torch.float32).view(1, 1, L),
             "modulation_dims_img": [(0, h * w, 0), (h * w, None, 1)],
             "modulation_dims_txt": [(0, None, 1)],
-            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+            "transformer_options": {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layout}}
     return args, lambda rows: dm.pe_embedder(ids[rows][None])[0, 0]
 
 

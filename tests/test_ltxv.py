@@ -109,12 +109,13 @@ def spied_block_call(pack, model, layout, batch, vec, pe, text_mask, seed):
     """A spy in place of an LTX-Video block, called through the block patch with random video tokens
     (batch, layout.total, C) and text (batch, 9, C), and the given ``vec``, ``pe`` and text mask: (the
     block's arguments, what the spy saw, the patch's output, the destinations of the plan it built)."""
-    dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
+    lt = pack.nodes.adapters.ltxv
+    layouts = pack.nodes.adapters.layout
     C = model.model.diffusion_model.inner_dim
     g = torch.Generator().manual_seed(seed)
     args = {"img": torch.randn(batch, layout.total, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
             "attention_mask": text_mask, "vec": vec, "pe": pe,
-            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+            "transformer_options": {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layout}}
     _, runtime = toma_patched(pack, model)
     seen = {}
     out = lt.LTXVPatch(runtime).block(dict(args), {"original_block": dit_checks.spy(seen)})
@@ -128,10 +129,10 @@ def test_merged_block_call_gets_destination_rows(pack, model, per_token):
     destination, the first frame's rows (per-token timesteps) and the guide rows untouched, per-token
     modulation rows gathered the same way (a shared one passed as is), the text and its cross-attention
     mask untouched; the patch returns full-length tokens with the block's update on every token."""
-    dit = pack.nodes.adapters.dit
+    layouts = pack.nodes.adapters.layout
     frames, h, w, guide, batch = 3, 3, 4, 12, 2
     lead = h * w if per_token else 0
-    layout = dit.ImageLayout(h, w, guide, frames - lead // (h * w), lead)
+    layout = layouts.ImageLayout(h, w, guide, frames - lead // (h * w), lead)
     N, C = frames * h * w + guide, model.model.diffusion_model.inner_dim
     rows = torch.arange(N, dtype=torch.float32)
     vec = (rows.view(1, N, 1).expand(batch, N, 6 * C) if per_token
@@ -190,9 +191,9 @@ def test_every_rope_layout_gets_destination_rows(pack, model, rope):
     as Flux's (Nov 2025: it used to leave every block unmerged, silently); (cos, sin, split) (2026), with
     per-head (B, heads, N, D/2) tables when split (it used to crash the patch: a bool has no shape).
     Merged tokens get their destinations' rows along the right axis; the flag passes as it is."""
-    dit = pack.nodes.adapters.dit
+    layouts = pack.nodes.adapters.layout
     frames, h, w, batch, heads = 2, 3, 4, 2, 4
-    layout = dit.ImageLayout(h, w, frames=frames)
+    layout = layouts.ImageLayout(h, w, frames=frames)
     N, C = frames * h * w, model.model.diffusion_model.inner_dim
     rows = torch.arange(N, dtype=torch.float32)
     per_head = rows.view(1, 1, N, 1).expand(batch, heads, N, 8)
@@ -215,10 +216,11 @@ def test_every_rope_layout_gets_destination_rows(pack, model, rope):
 
 def test_a_block_given_a_video_audio_pair_runs_unmerged(pack, model):
     """LTX-2's blocks get img = (video, audio): a patch that finds one there hands the call on as it is."""
-    dit, lt = pack.nodes.adapters.dit, pack.nodes.adapters.ltxv
+    lt = pack.nodes.adapters.ltxv
+    layouts = pack.nodes.adapters.layout
     pair = (torch.zeros(1, 12, 8), torch.zeros(1, 5, 8))
     args = {"img": pair, "transformer_options": {"sigmas": torch.tensor([1.0]),
-                                                  dit.LAYOUT_KEY: dit.ImageLayout(3, 4, frames=1)}}
+                                                  layouts.LAYOUT_KEY: layouts.ImageLayout(3, 4, frames=1)}}
     _, runtime = toma_patched(pack, model)
     out = lt.LTXVPatch(runtime).block(args, {"original_block": lambda a: {"img": a["img"]}})
     assert out["img"] is pair and not runtime.report().plans

@@ -85,7 +85,8 @@ def test_layers_with_a_newer_optional_parameter_merge_and_pass_it_on(pack, built
     unmerged, saying so."""
     from comfy.ldm.lumina.model import JointTransformerBlock
 
-    lumina, dit = pack.nodes.adapters.lumina, pack.nodes.adapters.dit
+    lumina = pack.nodes.adapters.lumina
+    layouts = pack.nodes.adapters.layout
     current, passed = JointTransformerBlock.forward, []
 
     def forward(self, x, x_mask, freqs_cis, adaln_input=None, timestep_zero_index=None, transformer_options=None):
@@ -100,7 +101,7 @@ def test_layers_with_a_newer_optional_parameter_merge_and_pass_it_on(pack, built
 
     layer = model.model.diffusion_model.layers[1]
     x = torch.randn(1, 23 + 280, layer.dim, generator=torch.Generator().manual_seed(3))
-    options = {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: dit.ImageLayout(14, 20)}
+    options = {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layouts.ImageLayout(14, 20)}
     pe = torch.zeros(1, 23 + 280, 1, layer.dim // layer.attention.n_local_heads // 2, 2, 2)
     adaln = torch.zeros(1, min(layer.dim, 1024))
     runtime.begin_run()  # no plans yet

@@ -45,7 +45,7 @@ def test_merged_block_call_gets_destination_positions(pack, qwen):
     """A spy in place of a Qwen-Image block sees: text rows of pe untouched, each merged image token and
     each merged token of the reference grid with the RoPE row of its destination (all along dim 1); the
     patch returns full-length image tokens with the block's update unmerged onto every token."""
-    dit = pack.nodes.adapters.dit
+    layouts = pack.nodes.adapters.layout
     dm = qwen.model.diffusion_model
     h, w, txt_len, ref = 5, 7, 9, (2, 3)
     n_img, n_ref = h * w, ref[0] * ref[1]
@@ -53,10 +53,10 @@ def test_merged_block_call_gets_destination_positions(pack, qwen):
     ids = torch.randn(2, txt_len + n_img + n_ref, 3, generator=g)  # distinct positions for every row
     pe = dm.pe_embedder(ids).squeeze(1).unsqueeze(2)  # as QwenImageTransformer2DModel._forward builds it
     C = dm.inner_dim
-    layout = dit.ImageLayout(h, w, n_ref, references=(ref,))
+    layout = layouts.ImageLayout(h, w, n_ref, references=(ref,))
     args = {"img": torch.randn(2, n_img + n_ref, C, generator=g), "txt": torch.randn(2, txt_len, C, generator=g),
             "vec": torch.randn(2, C, generator=g), "pe": pe,
-            "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+            "transformer_options": {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layout}}
     seen = {}
     patched, runtime = dit_checks.toma_patched(pack, qwen)
     out = dit_checks.dit_patches(patched)[("double_block", 1)](dict(args),

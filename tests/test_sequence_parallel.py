@@ -179,7 +179,7 @@ def test_raylight_ranks_merge_their_slabs_to_equal_lengths(pack, wan, frames, si
     row = ROWS["wan"]
     total = frames * math.prod(-(-s // row.patch) for s in row.sizes[size])
     slab = -(-total // world)
-    merged_blocks = set(pack.nodes.adapters.dit.merged_blocks(len(wan.model.diffusion_model.blocks), "video"))
+    merged_blocks = set(pack.nodes.adapters.layout.merged_blocks(len(wan.model.diffusion_model.blocks), "video"))
 
     for r in ranks:
         plain, toma = r["plain"], r["toma"]
@@ -225,8 +225,9 @@ def test_a_block_called_on_padded_slabs_merges_each_to_equal_lengths(pack, wan, 
     stats name each rank's slab. The basic node's video default (keys/values, which cannot reach xfuser's
     attention) steps aside on every rank, counted, and the log says to use scope block."""
     dit, wan_adapter = pack.nodes.adapters.dit, pack.nodes.adapters.wan
+    layouts = pack.nodes.adapters.layout
     dm = wan.model.diffusion_model
-    layout = dit.ImageLayout(h=7, w=10, frames=5)
+    layout = layouts.ImageLayout(h=7, w=10, frames=5)
     pe = dm.rope_encode(5, 14, 20)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, layout.total, dm.dim, generator=g)
@@ -251,7 +252,7 @@ def test_a_block_called_on_padded_slabs_merges_each_to_equal_lengths(pack, wan, 
         for rank, (xr, per) in enumerate(zip(xs, pes)):
             group.rank = rank
             args = {"img": xr, "txt": context, "vec": e0, "pe": per,
-                    "transformer_options": {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}}
+                    "transformer_options": {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layout}}
             outs.append((patch.block(args, {"original_block": run})["img"], run(args)["img"]))
         return outs
 
@@ -281,9 +282,10 @@ def test_without_a_sequence_parallel_group_slabs_step_aside(pack, wan, caplog):
     """Slabs whose rank no xfuser group names (ToMA cannot tell which slab a call holds) run unmerged,
     counted, and the log says why, once."""
     dit, wan_adapter = pack.nodes.adapters.dit, pack.nodes.adapters.wan
-    assert dit.sequence_parallel_group() is None
+    layouts = pack.nodes.adapters.layout
+    assert layouts.sequence_parallel_group() is None
     dm = wan.model.diffusion_model
-    layout = dit.ImageLayout(h=7, w=10, frames=5)
+    layout = layouts.ImageLayout(h=7, w=10, frames=5)
     g = torch.Generator().manual_seed(3)
     slab = -(-layout.total // WORLD)
     x = torch.randn(1, slab, dm.dim, generator=g)
@@ -299,7 +301,7 @@ def test_without_a_sequence_parallel_group_slabs_step_aside(pack, wan, caplog):
 
     with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
         for _ in range(2):
-            options = {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}
+            options = {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layout}
             args = {"img": x, "txt": torch.randn(1, 9, dm.dim, generator=g), "vec": torch.randn(1, 1, 6, dm.dim),
                     "pe": pe, "transformer_options": options}
             assert torch.equal(patch.block(args, {"original_block": run})["img"], run(args)["img"])

@@ -33,7 +33,7 @@ def wan_call(pack, wan, layout, tokens=None, options=True):
     """(block args, WanPatch, runtime) for one call of a merged Wan block over ``layout``: its tokens
     (``tokens`` of them: the layout's unless given) and RoPE rows; ``options``: whether the call carries
     transformer_options with the layout and the step's sigma."""
-    dit = pack.nodes.adapters.dit
+    layouts = pack.nodes.adapters.layout
     dm = wan.model.diffusion_model
     frames = layout.total // (layout.h * layout.w)
     pe = dm.rope_encode(frames, 2 * layout.h, 2 * layout.w)
@@ -42,7 +42,7 @@ def wan_call(pack, wan, layout, tokens=None, options=True):
     args = {"img": torch.randn(1, tokens, dm.dim, generator=g), "txt": torch.randn(1, 9, dm.dim, generator=g),
             "vec": torch.randn(1, 1, 6, dm.dim, generator=g), "pe": pe[:, :tokens]}
     if options:
-        args["transformer_options"] = {"sigmas": torch.tensor([1.0]), dit.LAYOUT_KEY: layout}
+        args["transformer_options"] = {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layout}
     _, runtime = dit_checks.toma_patched(pack, wan, temporal_window=2)
     runtime.begin_run()
     return args, pack.nodes.adapters.wan.WanPatch(runtime), runtime
@@ -70,7 +70,8 @@ def check_unmerged(runtime, caplog, reason, args, outs, seen, calls=2):
 @current_only
 def test_a_call_without_a_layout(pack, wan, caplog):
     dit = pack.nodes.adapters.dit
-    layout = dit.ImageLayout(h=4, w=5, frames=3)
+    layouts = pack.nodes.adapters.layout
+    layout = layouts.ImageLayout(h=4, w=5, frames=3)
     args, patch, runtime = wan_call(pack, wan, layout, options=False)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         outs, seen = run_twice(patch, args)
@@ -81,8 +82,9 @@ def test_a_call_without_a_layout(pack, wan, caplog):
 def test_more_tokens_than_the_layout(pack, wan, caplog):
     """Another patch's tokens: the block has tokens its layout does not account for."""
     dit = pack.nodes.adapters.dit
-    args, patch, runtime = wan_call(pack, wan, dit.ImageLayout(h=4, w=5, frames=3, extra=20))
-    args["transformer_options"][dit.LAYOUT_KEY] = dit.ImageLayout(h=4, w=5, frames=3)
+    layouts = pack.nodes.adapters.layout
+    args, patch, runtime = wan_call(pack, wan, layouts.ImageLayout(h=4, w=5, frames=3, extra=20))
+    args["transformer_options"][layouts.LAYOUT_KEY] = layouts.ImageLayout(h=4, w=5, frames=3)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         outs, seen = run_twice(patch, args)
     check_unmerged(runtime, caplog, dit.TOKEN_COUNT, args, outs, seen)
@@ -91,7 +93,8 @@ def test_more_tokens_than_the_layout(pack, wan, caplog):
 @current_only
 def test_positions_that_do_not_fit(pack, wan, caplog):
     dit = pack.nodes.adapters.dit
-    args, patch, runtime = wan_call(pack, wan, dit.ImageLayout(h=4, w=5, frames=3))
+    layouts = pack.nodes.adapters.layout
+    args, patch, runtime = wan_call(pack, wan, layouts.ImageLayout(h=4, w=5, frames=3))
     args["pe"] = args["pe"][:, :-1]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         outs, seen = run_twice(patch, args)
@@ -103,7 +106,8 @@ def test_a_sequence_parallel_slab(pack, wan, caplog):
     """Fewer tokens than the layout: a slab of the sequence (raylight) whose rank no xfuser group names; the model
     call steps aside."""
     dit = pack.nodes.adapters.dit
-    args, patch, runtime = wan_call(pack, wan, dit.ImageLayout(h=4, w=5, frames=3), tokens=30)
+    layouts = pack.nodes.adapters.layout
+    args, patch, runtime = wan_call(pack, wan, layouts.ImageLayout(h=4, w=5, frames=3), tokens=30)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         outs, seen = run_twice(patch, args)
     check_unmerged(runtime, caplog, dit.SLAB, args, outs, seen)
@@ -112,8 +116,8 @@ def test_a_sequence_parallel_slab(pack, wan, caplog):
 
 @current_only
 def test_a_call_without_a_sampling_step(pack, wan, caplog):
-    dit = pack.nodes.adapters.dit
-    args, patch, runtime = wan_call(pack, wan, dit.ImageLayout(h=4, w=5, frames=3))
+    layouts = pack.nodes.adapters.layout
+    args, patch, runtime = wan_call(pack, wan, layouts.ImageLayout(h=4, w=5, frames=3))
     del args["transformer_options"]["sigmas"]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         outs, seen = run_twice(patch, args)
@@ -122,8 +126,8 @@ def test_a_call_without_a_sampling_step(pack, wan, caplog):
 
 @current_only
 def test_a_plan_that_cannot_be_built(pack, wan, caplog, monkeypatch):
-    dit = pack.nodes.adapters.dit
-    args, patch, runtime = wan_call(pack, wan, dit.ImageLayout(h=4, w=5, frames=3))
+    layouts = pack.nodes.adapters.layout
+    args, patch, runtime = wan_call(pack, wan, layouts.ImageLayout(h=4, w=5, frames=3))
 
     def broken(*a, **k):
         raise RuntimeError("no plan here")
@@ -137,7 +141,8 @@ def test_a_plan_that_cannot_be_built(pack, wan, caplog, monkeypatch):
 @current_only
 def test_the_reasons_reset_with_each_run_and_log_once_per_model(pack, wan, caplog):
     dit = pack.nodes.adapters.dit
-    args, patch, runtime = wan_call(pack, wan, dit.ImageLayout(h=4, w=5, frames=3), options=False)
+    layouts = pack.nodes.adapters.layout
+    args, patch, runtime = wan_call(pack, wan, layouts.ImageLayout(h=4, w=5, frames=3), options=False)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         run_twice(patch, args)
         runtime.begin_run()

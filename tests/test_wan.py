@@ -162,7 +162,7 @@ def _wan_call(pack, model, layout, batch=2, per_frame_modulation=True):
     rows = frames if per_frame_modulation else 1
     args = {"img": torch.randn(batch, L, C, generator=g), "txt": torch.randn(batch, 9, C, generator=g),
             "vec": torch.randn(batch, rows, 6, C, generator=g), "pe": pe,
-            "transformer_options": {"sigmas": torch.tensor([1.0]), pack.nodes.adapters.dit.LAYOUT_KEY: layout}}
+            "transformer_options": {"sigmas": torch.tensor([1.0]), pack.nodes.adapters.layout.LAYOUT_KEY: layout}}
     return args, wan
 
 
@@ -173,7 +173,7 @@ def test_merged_block_call_gets_destination_rows(pack, built, temporal_window):
     of its destination; text whole. The patch returns full-length tokens with the update unmerged onto
     all."""
     model = built["ti2v"]
-    layout = pack.nodes.adapters.dit.ImageLayout(h=4, w=5, extra=4 * 5, frames=3, lead=4 * 5)
+    layout = pack.nodes.adapters.layout.ImageLayout(h=4, w=5, extra=4 * 5, frames=3, lead=4 * 5)
     args, wan = _wan_call(pack, model, layout)
     _, runtime = toma_patched(pack, model, temporal_window=temporal_window)
     seen = {}
@@ -198,7 +198,7 @@ def test_merged_block_call_gets_destination_rows(pack, built, temporal_window):
 def test_per_sample_modulation_passes_unchanged(pack, built):
     """T2V/I2V e0 has one row per sample: the block gets it as it is."""
     model = built["t2v"]
-    layout = pack.nodes.adapters.dit.ImageLayout(h=4, w=4, frames=2)
+    layout = pack.nodes.adapters.layout.ImageLayout(h=4, w=4, frames=2)
     args, wan = _wan_call(pack, model, layout, per_frame_modulation=False)
     _, runtime = toma_patched(pack, model)
     seen = {}

@@ -183,7 +183,7 @@ def measure(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[
         if summaries:
             (level,) = summaries[-1]["levels"].values()
             kept = level["merged_tokens"] / level["tokens"]
-            merged = len(pack.nodes.adapters.dit.merged_blocks(blocks, pack.nodes.adapters.dit.VIDEO))
+            merged = len(pack.nodes.adapters.layout.merged_blocks(blocks, pack.nodes.adapters.layout.VIDEO))
             row["tokens"] = f"{level['tokens']}->{level['merged_tokens']}"
             row["predicted"] = predicted_speedup(block_share, attention_share, merged / blocks, kept)
             row["select"], row["merge"] = (run.stage_share(summaries, ["select"]),

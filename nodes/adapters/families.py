@@ -1,22 +1,22 @@
 """The DiT families ToMA serves, one declaration each (``family.DiTFamily``; the generic supports/patch
-are there, and nodes/adapters/dit.py says how blocks merge). What a family needs beyond data (another
+are there, and docs/architecture.md, "DiT adapters", says how blocks merge). What a family needs beyond data (another
 token layout, other per-token inputs) is a DiTPatch or LayoutStash subclass in its own module.
 
 Skipped fractions: the paper merges Flux double blocks 5-18 of 19 and single blocks 5-37 of 38; other
-depths skip the same fraction of each group (dit.SKIP_FRACTION, by the group's role). A group of whole
+depths skip the same fraction of each group (layout.SKIP_FRACTION, by the group's role). A group of whole
 layers over one sequence (LTX-Video, Wan, NextDiT's layers) skips as Flux's single blocks do.
 """
 from .. import placement
 from . import hidream, hunyuan_video, krea2, ltxv, lumina, minimax, qwen_image, qwen_image21, wan
-from .dit import JOINT, TWO_STREAM, VIDEO
 from .family import OBJECT_PATCH, BlockGroup, DiTFamily
+from .layout import JOINT, TWO_STREAM, VIDEO
 
 # Flux's layout: double blocks (image and text streams apart), then single blocks (one joint sequence)
 FLUX_GROUPS = (BlockGroup("double_blocks", "double_block", TWO_STREAM, "double_block"),
                BlockGroup("single_blocks", "single_block", JOINT, "single_block"))
 # Every DiT whose attention calls go through ComfyUI's attention functions (all but SD3's MMDiT) offers
 # "block" and "keys/values": every merged block runs whole, only the keys and values of its self-attention
-# come from merged tokens (dit.MergedKeysValues). Flux-layout double blocks offer "attention" too (the
+# come from merged tokens (attention_override.MergedKeysValues). Flux-layout double blocks offer "attention" too (the
 # paper's: the double-block MLP at full resolution, only the joint attention on merged tokens). Merging the
 # MLP holds most of the speed-up at 1024 px; keys/values saves attention FLOPs alone, which pays on long
 # sequences (video, 2048 px); docs/benchmarks.md weighs them against fidelity.

@@ -15,7 +15,7 @@ Interception:
   ``forward`` object-patched, as the UNet blocks are.
 - The attention override of scopes "attention" and "keys/values" is a placement (``placements``), not an
   interception: the block's patch hands the block an ``optimized_attention_override``
-  (``dit.MergedAttention``, ``dit.MergedKeysValues``).
+  (``attention_override.MergedAttention``, ``attention_override.MergedKeysValues``).
 - Block identity: each block's patch knows its block (a ``BlockPatch``, or the object-patched forward
   made for it), and passes it to ``MergeRuntime.plan``: per-block plans and shared destinations.
 
@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from .. import placement
 from ..host import WRAPPER_KEY, install_run_hooks, original_attr, sparse_attention_min_tokens
 from ..runtime import MergeRuntime
-from .dit import DiTPatch, LayoutStash, attention_only, keys_values_only, merged_blocks
+from .attention_override import attention_only, keys_values_only
+from .dit import DiTPatch
+from .layout import LayoutStash, merged_blocks
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -49,7 +51,7 @@ OBJECT_PATCH = "forward object patch"
 class BlockGroup:
     """One group of blocks that merge: ``blocks`` is the diffusion model's attribute that holds them,
     ``hook`` the name of a block's patch point ("dit" replace patches: "double_block", "single_block";
-    object patches: the name logs use), ``group`` its role (dit.TWO_STREAM, JOINT, VIDEO: the name plans,
+    object patches: the name logs use), ``group`` its role (layout.TWO_STREAM, JOINT, VIDEO: the name plans,
     stats and the merge map use, and the fraction of its first blocks that never merge), ``handler`` the
     family's DiTPatch method that serves a block call (object patches: that makes a layer's patched
     forward from its original)."""

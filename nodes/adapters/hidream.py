@@ -25,8 +25,8 @@ patch size 2.
 """
 import torch
 
-from .dit import (JOINT, LAYOUT_KEY, POSITIONS, TWO_STREAM, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, sequence_index,
-                  take_rows)
+from .dit import POSITIONS, DiTPatch, forward_mismatch
+from .layout import JOINT, LAYOUT_KEY, TWO_STREAM, ImageLayout, LayoutStash, sequence_index, take_rows
 
 ROPE_TOKEN_AXIS = 1
 # What HiDream passes its blocks, in order: the patched forward passes them on.

@@ -1,7 +1,7 @@
 """HunyuanVideo (its declaration: HUNYUAN_VIDEO in families.py; 1.0: text-to-video, image-to-video v1
 concat / v2 replace / custom reference, SkyReels) and the models ComfyUI builds from the same class
 (HunyuanImage 2.1 and its refiner): double blocks and single blocks merge their video tokens
-(nodes/adapters/dit.py says how).
+(docs/architecture.md, "DiT adapters", says how).
 
 Layout: HunyuanVideo is Flux's architecture; the joint attention of a double block and the joint
 sequence of a single block are [lead, video, txt] where ComfyUI builds the double blocks with
@@ -33,8 +33,9 @@ import math
 
 import torch
 
-from .dit import (JOINT, TWO_STREAM, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows,
-                  take_sequence)
+from .dit import DiTPatch
+from .layout import (JOINT, TWO_STREAM, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows,
+                     take_sequence)
 
 # The modulation ranges of each block group's call (double block, single block)
 MODULATION_KEYS = {TWO_STREAM: "modulation_dims_img", JOINT: "modulation_dims"}

@@ -1,5 +1,6 @@
 """Krea 2 (its declaration: KREA2 in families.py; ComfyUI's ``SingleStreamDiT``, v0.33.0 on): every block is one
-joint sequence [text, image, reference images], and its image tokens merge (nodes/adapters/dit.py says how).
+joint sequence [text, image, reference images], and its image tokens merge (docs/architecture.md, "DiT adapters",
+says how).
 
 Layout: the blocks are called directly (no "dit" hook), so each block's ``forward(x, vec, freqs, mask,
 timestep_zero_index, transformer_options)`` is object-patched, as NextDiT's layers are. ``x`` (B, L, C) is
@@ -17,8 +18,8 @@ Token grid: the DIFFUSION_MODEL executor runs around ``_forward(x, timesteps, co
 ref_latents, transformer_options, **kwargs)``, which sees the latent (B, 16, 1, H, W) (Wan 2.1's latent format,
 one frame) and the reference latents, patched 2 x 2.
 """
-from .dit import (JOINT, LAYOUT_KEY, POSITIONS, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, joint_index,
-                  take_rows)
+from .dit import POSITIONS, DiTPatch, forward_mismatch
+from .layout import JOINT, LAYOUT_KEY, ImageLayout, LayoutStash, joint_index, take_rows
 
 # What SingleStreamDiT passes its blocks first, in order: the patched forward passes them on.
 BLOCK_PARAMETERS = ("x", "vec", "freqs", "mask", "timestep_zero_index")

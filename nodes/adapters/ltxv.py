@@ -1,5 +1,5 @@
 """LTX-Video (its declaration: LTXV in families.py; 0.9.x, 2B and 13B; text-to-video, image-to-video,
-keyframe guides): its transformer blocks merge their video tokens (nodes/adapters/dit.py says how).
+keyframe guides): its transformer blocks merge their video tokens (docs/architecture.md, "DiT adapters", says how).
 
 Layout: an LTX-Video block sees only video tokens ``img`` (B, N, C): self-attention with 3-D RoPE
 ``pe`` = (cos, sin), each (B, N, D), then cross-attention to the text ``txt`` (keys only: the text and
@@ -48,8 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .dit import (LAYOUT_KEY, TOKEN_COUNT, VIDEO, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, splice,
-                  take_rows, take_sequence)
+from .dit import TOKEN_COUNT, DiTPatch
+from .layout import (LAYOUT_KEY, VIDEO, ImageLayout, LayoutStash, patched_side, sequence_index, splice, take_rows,
+                     take_sequence)
 
 VIDEO_KEYS = "comfyui_toma_ltx2_video_keys"  # the block's own transformer_options: VideoKeys for its v2a attention
 # LTX-2's video inputs besides the tokens: RoPE tables (tokens on rope_token_axis) and timesteps (tokens on dim 1)

@@ -30,8 +30,9 @@ attention_mask, **kwargs)``, which sees the latent (B, 16, H, W).
 
 import torch
 
-from .dit import (JOINT, LAYOUT_KEY, POSITIONS, DiTPatch, ImageLayout, LayoutStash, forward_mismatch, joint_index, patched_side,
-                  take_rows, take_sequence)
+from .dit import POSITIONS, DiTPatch, forward_mismatch
+from .layout import (JOINT, LAYOUT_KEY, ImageLayout, LayoutStash, joint_index, patched_side, take_rows,
+                     take_sequence)
 
 PE_TOKEN_AXIS = 1
 # What NextDiT passes its main layers first, in order, and by name: the patched forward passes them on.

@@ -1,6 +1,6 @@
 """MiniMax-H3 (its declaration: MINIMAX_H3 in families.py; ComfyUI's ``MiniMaxH3Model``, the joint video+audio
 DiT, and its 8-step distilled variant, the same class): every block merges the video rows of its packed
-sequence (nodes/adapters/dit.py says how).
+sequence (docs/architecture.md, "DiT adapters", says how).
 
 Layout: one packed sequence per call, without a batch axis: ``img`` is (S, C), the rows
 [text | keyframe or reference rows | audio | video] of the call's ``PackedLayout`` (its ``segments``: (start,
@@ -30,7 +30,8 @@ import importlib
 
 import torch
 
-from .dit import TOKEN_COUNT, DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows
+from .dit import TOKEN_COUNT, DiTPatch
+from .layout import ImageLayout, LayoutStash, patched_side, sequence_index, take_rows
 
 VIDEO_SEGMENT = "video"  # PackedLayout's kind of the target video rows
 

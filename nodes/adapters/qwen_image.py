@@ -1,5 +1,5 @@
 """Qwen-Image and Qwen-Image-Edit (their declaration: QWEN_IMAGE in families.py): the 60 double-stream
-blocks merge their image tokens (nodes/adapters/dit.py says how), skipping the first 16, the fraction
+blocks merge their image tokens (docs/architecture.md, "DiT adapters", says how), skipping the first 16, the fraction
 Flux skips (nothing specific to Qwen-Image argued for another). Text tokens are never merged.
 
 Positions: Qwen-Image's RoPE table ``pe`` is (B, L, 1, head_dim/2, 2, 2), its tokens along dim 1, in the

@@ -1,5 +1,5 @@
 """Qwen-Image 2.1 (its declaration: QWEN_IMAGE21 in families.py; ComfyUI v0.37.0 on): every block is one sequence
-[prefix, target], and the target's tokens merge (nodes/adapters/dit.py says how); the prefix stays whole.
+[prefix, target], and the target's tokens merge (docs/architecture.md, "DiT adapters", says how); the prefix stays whole.
 
 Layout: the prefix is the text with the reference images spliced in at their slots; it is causal (text segments
 attend causally, each reference to everything before its end), modulated from t = 0, and its keys and values are
@@ -31,7 +31,8 @@ call has no target and runs as it is, uncounted.
 """
 import torch
 
-from .dit import JOINT, LAYOUT_KEY, DiTPatch, ImageLayout, LayoutStash, forward_mismatch
+from .dit import DiTPatch, forward_mismatch
+from .layout import JOINT, LAYOUT_KEY, ImageLayout, LayoutStash
 
 # What the model passes its blocks, in order: the patched forward passes them on.
 BLOCK_PARAMETERS = ("x", "mod", "pe", "attn_fn", "prefix_len")

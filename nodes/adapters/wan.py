@@ -1,5 +1,5 @@
 """Wan 2.1 / 2.2 video DiTs (their declaration: WAN in families.py): every block merges the video tokens
-of its call (the block's update x + U(block(Mx) - Mx), nodes/adapters/dit.py says how), in windows that
+of its call (the block's update x + U(block(Mx) - Mx), docs/architecture.md, "DiT adapters", says how), in windows that
 span frames x rows x columns of the video's token grid.
 
 Served: T2V and I2V/FLF2V 2.1 (CLIP image tokens are part of ``context``, which cross-attention reads
@@ -43,7 +43,8 @@ import math
 
 import torch
 
-from .dit import DiTPatch, ImageLayout, LayoutStash, patched_side, sequence_index, take_rows
+from .dit import DiTPatch
+from .layout import ImageLayout, LayoutStash, patched_side, sequence_index, take_rows
 
 SERVED = ("T2V, I2V, FLF2V, 2.2 14B high/low-noise, 2.2 5B TI2V, VACE, Camera, Fun with reference latent, "
           "Animate, FlowRVS, WanDancer, SCAIL, SCAIL 2")

@@ -83,7 +83,7 @@ class MergeRuntime:
         self.run_listeners = []  # called with summary() when a run ends (the live stats)
         self.notices: set = set()  # messages already logged (once per patched model)
         # the transformer_options of the model call under way, stashed by the DiT adapters' model-call wrapper
-        # (dit.LayoutStash) for blocks called without them (a cache node's own forward_orig)
+        # (adapters.layout.LayoutStash) for blocks called without them (a cache node's own forward_orig)
         self.model_call: dict | None = None
         self.caveats: list[str] = []  # what the patched model does otherwise than its node asks (caveat)
         # the min_tokens of core's Model Sparse Attention node where the model being sampled has it (None: it
