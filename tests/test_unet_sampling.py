@@ -381,6 +381,37 @@ def test_no_runtime_outlives_its_models(pack, sd15, scope):
     assert all(r() is None for r in runtimes)
 
 
+@pytest.mark.parametrize("scope", ["attention", "block"])
+def test_a_forward_another_model_left_applied_is_not_chained(pack, sd15, scope):
+    """Another patched MODEL's forwards left applied on the shared BaseModel (object patches stay after
+    sampling; a clone whose backup was emptied by an unload reads the live attribute): patching again wraps
+    the original, not that forward (a chain that grew at each run; under torch.compile its owner, dying
+    between two runs, failed a guard: a recompile in CI). A node stacked on a patched MODEL still wraps the
+    forward that MODEL holds."""
+    import comfy.utils
+
+    def ours(forward):
+        return getattr(getattr(forward, "__func__", None), "toma_unet", None)
+
+    earlier = patch(pack, "ToMAPatchModelAdvanced", sd15.model, **TOMA, scope=scope)
+    keys = [key for key, value in earlier.object_patches.items() if ours(value)]
+    assert keys
+    originals = {key: comfy.utils.get_attr(sd15.model.model, key) for key in keys}
+    try:
+        for key in keys:
+            comfy.utils.set_attr(sd15.model.model, key, earlier.object_patches[key])
+        base = sd15.model.clone()
+        base.object_patches_backup = {}
+        again = patch(pack, "ToMAPatchModelAdvanced", base, **TOMA, scope=scope)
+        stacked = patch(pack, "ToMAPatchModelAdvanced", earlier, **TOMA, scope=scope)
+        for key in keys:
+            assert ours(again.object_patches[key])[0] == originals[key], key
+            assert ours(stacked.object_patches[key])[0] == earlier.object_patches[key], key
+    finally:
+        for key, value in originals.items():
+            comfy.utils.set_attr(sd15.model.model, key, value)
+
+
 # -- fidelity -----------------------------------------------------------------------------------------------
 def sharpened(model, factor):
     """A clone whose self-attention q and k weights are scaled by ``factor`` (as weight patches). With

@@ -23,7 +23,7 @@ import weakref
 from .. import placement
 from ...toma_core.attention import with_key_bias, without_padding
 from ..host import block_patches_of_caller, install_run_hooks, original_attr
-from ..runtime import Level, MergeRuntime, hold, unet_level
+from ..runtime import Level, MergeRuntime, hold, holds, unet_level
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -223,6 +223,7 @@ class UNetPatch:
             with patch.runtime.stage("unmerge"):
                 return plan.unmerge(out)
 
+        forward.toma_unet = (original, owner)
         return forward
 
     # scope "block" -----------------------------------------------------------------------------
@@ -243,6 +244,7 @@ class UNetPatch:
             with patch.runtime.stage("unmerge"):
                 return plan.unmerge_update(x, xm, ym)
 
+        forward.toma_unet = (original, owner)
         return forward
 
     def steps_aside(self, transformer_options) -> bool:
@@ -337,6 +339,20 @@ def preset_kind(model) -> str:
     return "sd1" if 1 in attention_levels(model.model.diffusion_model) else "sdxl"
 
 
+def forward_before_ours(m, key):
+    """What ``key`` of the BaseModel is for ``m`` before our patch, less any forward of ours that a MODEL
+    ``m`` does not hold left applied there (object patches stay applied after sampling): chained, it would
+    run as one more no-op wrapper each time a node patches again, and under torch.compile its owner, dying
+    between runs, fails a guard (a recompile)."""
+    current = original_attr(m, key)
+    while (ours := getattr(getattr(current, "__func__", None), "toma_unet", None)) is not None:
+        original, owner = ours
+        if owner() is not None and holds(m, owner()):
+            break
+        current = original
+    return current
+
+
 def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
     """The patched clone of ``model`` (a ComfyUI ModelPatcher). levels: a LEVEL_CHOICES string or a set
     of downsample factors; scope: a placement.SCOPES value, "auto" = "attention" (anything else is a
@@ -364,12 +380,12 @@ def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
         patches["attn1_patch"] = [patch.observe] + patches.get("attn1_patch", [])  # first: sees the block's tokens
         for path, block in transformer_blocks(dm):
             key = f"{path}.attn1.forward"
-            forward = patch.attention_forward(original_attr(m, key))
+            forward = patch.attention_forward(forward_before_ours(m, key))
             m.add_object_patch(key, types.MethodType(forward, block.attn1))
     else:
         for path, block in transformer_blocks(dm):
             key = f"{path}.forward"
-            m.add_object_patch(key, types.MethodType(patch.block_forward(original_attr(m, key)), block))
+            m.add_object_patch(key, types.MethodType(patch.block_forward(forward_before_ours(m, key)), block))
     install_run_hooks(m, runtime)
     log.info("ToMA: %s patched on UNet levels %s (scope %s%s)", runtime.name,
              ", ".join(f"1/{d}" for d in sorted(levels)) or "none", scope,

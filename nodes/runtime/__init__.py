@@ -10,7 +10,7 @@
 """
 from .levels import UNET, Level, PlanKey, RunReport, unet_level
 from .merge_runtime import MergeRuntime
-from .registry import OPTIONS_KEY, STACK_KEY, attach_runtime, hold, runtime_of, runtimes_of
+from .registry import OPTIONS_KEY, STACK_KEY, attach_runtime, hold, holds, runtime_of, runtimes_of
 
 __all__ = ["UNET", "Level", "PlanKey", "RunReport", "unet_level", "MergeRuntime", "OPTIONS_KEY", "STACK_KEY",
-           "attach_runtime", "hold", "runtime_of", "runtimes_of"]
+           "attach_runtime", "hold", "holds", "runtime_of", "runtimes_of"]

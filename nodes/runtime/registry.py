@@ -24,6 +24,12 @@ def hold(model, owner) -> None:
     options[OWNERS_KEY] = list(options.get(OWNERS_KEY, ())) + [owner]
 
 
+def holds(model, owner) -> bool:
+    """Whether ``owner`` is held by ``model`` (``hold`` on it or on a patcher it was cloned from)."""
+    options = (getattr(model, "model_options", None) or {}).get("transformer_options", {})
+    return any(held is owner for held in options.get(OWNERS_KEY, ()))
+
+
 def attach_runtime(model, runtime) -> None:
     """Put ``runtime`` into the patched ``model``'s transformer_options, nearest the sampler."""
     options = model.model_options.setdefault("transformer_options", {})
