@@ -1,6 +1,52 @@
-"""Input checking shared by every node of the pack: a node's inputs checked against its own
-``INPUT_TYPES()``, so a value from a script or the API that the UI would refuse gets a clear error naming
-the input and what it allows, before anything is patched."""
+"""What the pack's node files share about inputs: the declarations more than one node takes (the MODEL,
+ratio, window and reuse inputs, their defaults, the category), and input checking: a node's inputs checked
+against its own ``INPUT_TYPES()``, so a value from a script or the API that the UI would refuse gets a clear
+error naming the input and what it allows, before anything is patched."""
+from . import placement
+
+CATEGORY = "model_patches/token_merging"
+
+# Defaults chosen from the speed-vs-fidelity curves on the trained proxies (docs/benchmarks.md, "The defaults, and why").
+AUTO_RATIO = -1.0  # the ratio input's "auto": the model kind's ratio (placement.PRESETS)
+DEFAULT_RATIO = AUTO_RATIO
+DEFAULT_WINDOW = 0  # auto: the model kind's window (placement.PRESETS)
+DEFAULT_REUSE = 5
+DEFAULT_TEMPORAL_WINDOW = 2  # docs/notebook.md, "Windows over video frames"
+
+
+def float_input(default, low, high, step, tooltip):
+    return ("FLOAT", {"default": default, "min": low, "max": high, "step": step, "tooltip": tooltip})
+
+
+def int_input(default, low, high, tooltip):
+    return ("INT", {"default": default, "min": low, "max": high, "tooltip": tooltip})
+
+
+MODEL_INPUT = ("MODEL", {"tooltip": "The diffusion model to patch. It is cloned; the input stays unchanged."})
+RATIO_INPUT = float_input(DEFAULT_RATIO, AUTO_RATIO, 0.9, 0.05,
+                          "Fraction of image tokens removed before attention. 0 = off (output identical to the "
+                          "unpatched model); -1 = auto, the default: the ratio that goes with the model kind's "
+                          "placement (" + ", ".join(f"{r:g} on {kinds}"
+                                                    for r, kinds in placement.values_in_words("ratio"))
+                          + "; README: What to expect); higher saves more and costs more of the picture.")
+WINDOW_INPUT = int_input(DEFAULT_WINDOW, 0, 32,
+                         "Side, in tokens, of the local square window inside which destinations are chosen and "
+                         "tokens merged. Small windows keep merges local and selection cheap. 0 = auto: the "
+                         "model's default (" + ", ".join(f"{w} on {kinds}"
+                                                         for w, kinds in placement.values_in_words("window_size"))
+                         + ").")
+REUSE_INPUT = int_input(DEFAULT_REUSE, 1, 100,
+                        "Steps between destination recomputations; in between, the destinations are reused "
+                        "(pattern reuse).")
+
+
+def ratio_of(ratio: float, preset: placement.Preset) -> float:
+    """The ratio input's value: -1 (auto) is the preset's ratio; other values below 0 are refused."""
+    if ratio == AUTO_RATIO:
+        return preset.ratio
+    if ratio < 0:
+        raise ValueError(f"ratio must be -1 (auto: the model kind's ratio) or between 0.0 and 0.9, got {ratio}")
+    return ratio
 
 
 def check_range(name: str, value, low, high):

@@ -12,10 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .inputs import check_inputs
+from .inputs import CATEGORY, check_inputs
 from .runtime import runtimes_of
 from .runtime.records import PlanRecord
-from .toma_nodes import CATEGORY
 
 PIXELS_PER_LATENT = 8  # the map has the size of the decoded image of the latent
 GOLDEN = (math.sqrt(5) - 1) / 2

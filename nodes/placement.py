@@ -15,13 +15,17 @@ adapters; what "auto" means per family; the log line when a family cannot honour
   sparse attention, whose kernel takes only q, k and v of every token (docs/benchmarks.md, "Beside core's
   sparse attention").
 Where keys are merged inside the attention call ("attention", "keys/values"), ``proportional`` attention
-weighs each merged key by the tokens it stands for (toma_core.attention); with "block" it is not honoured,
-and the log and the stats say so.
+weighs each merged key by the tokens it stands for (toma_core.attention); with another scope it is not
+honoured, and the log and the stats say so.
+
+A node settles where it merges once (``settle``): its inputs and the model's kind make a ``Placement``,
+which the adapter of the model's family and the runtime read.
 """
+import dataclasses
 import logging
 from dataclasses import dataclass
 
-from ..toma_core import ShortRun
+from ..toma_core import ROTATION_STRENGTH, ReuseSchedule, ShortRun
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -39,6 +43,10 @@ UNET_PLACEMENTS = (ATTENTION, BLOCK, KEYS_VALUES, QUERIES)
 UNET_AUTO = ATTENTION
 DIT_AUTO = BLOCK
 KEYS_MERGED = (ATTENTION, KEYS_VALUES)  # where proportional attention applies
+# why proportional attention is not honoured with the other scopes
+KEYS_WHOLE = {BLOCK: "the blocks run their own attention on merged tokens",
+              FEED_FORWARD: "the self-attention keeps every key", QUERIES: "the keys stay whole"}
+ROTATIONS = (AUTO, "on", "off")  # the rotation input's choices; auto: the model kind's (Preset.rotation)
 
 
 def check(scope: str) -> str:
@@ -135,3 +143,57 @@ def rotation_in_words() -> str:
 def auto_in_words() -> str:
     """What scope "auto" means on each kind of model, for the scope's tooltip."""
     return ", ".join(f"{preset.scope} on {KIND_NAMES[kind]}" for kind, preset in PRESETS.items())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how one node merges on one MODEL, settled once by ``settle`` and read by the adapter of the
+    model's family and by the runtime. ``scope``: a placement the family honours (never "auto"); ``levels``:
+    the UNet levels input (a DiT has one token grid); ``plan_per_block``: each block call builds its own plan
+    (else one plan serves the blocks of a level or block group in a step); ``shared_destinations``: with
+    plans per block, the group's first block chooses the destinations for all; ``proportional``: merged
+    keys weigh as the tokens they stand for, only where the scope merges keys inside the attention call;
+    ``schedule`` and ``rotation`` (a strength, 0: off): ToMA's, which its strategy is built from;
+    ``caveats``: what the node asked for and does not get, said once in the log and the stats."""
+
+    scope: str
+    levels: object = AUTO
+    plan_per_block: bool = False
+    shared_destinations: bool = False
+    proportional: bool = False
+    schedule: ReuseSchedule | None = None
+    rotation: float = 0.0
+    caveats: tuple[str, ...] = ()
+
+
+def proportional_not_honoured(family, scope: str) -> str:
+    """The caveat of proportional attention asked for where ``family`` (an adapter) merges with ``scope``,
+    which keeps keys out of the attention call's merging (KEYS_WHOLE)."""
+    offered = " or ".join(p for p in KEYS_MERGED if p in family.placements)
+    return (f"proportional attention is not honoured on {family.name} with scope {scope} ({KEYS_WHOLE[scope]})"
+            + (f": use scope {offered}" if offered else ""))
+
+
+def settle(family, scope: str = AUTO, preset: Preset | None = None, *, levels=AUTO, plan_per_block: bool = False,
+           shared_destinations: bool = False, proportional: bool = False, schedule: ReuseSchedule | None = None,
+           rotation: str = "off") -> Placement:
+    """The Placement of a node's inputs on a model of ``family`` (an adapter: its ``name``, the
+    ``placements`` it honours and its ``fallback``). With a ``preset`` (ToMA), scope "auto" is the model
+    kind's placement with its fixes (plans per block, shared destinations, proportional attention, the
+    short-run schedule) and rotation "auto" the kind's choice; without one (the baselines), "auto" is the
+    family's fallback. A scope the family does not honour falls back with a log line naming both."""
+    check(scope)
+    if scope == AUTO and preset is not None:
+        scope = preset.scope
+        plan_per_block = plan_per_block or preset.plan_per_block
+        shared_destinations = shared_destinations or preset.shared_destinations
+        proportional = proportional or preset.proportional
+        if schedule is not None:
+            schedule = dataclasses.replace(schedule, short_run=preset.short_run)
+    scope = resolve(scope, family.name, family.placements, family.fallback)
+    caveats = ()
+    if proportional and scope not in KEYS_MERGED:
+        caveats, proportional = (proportional_not_honoured(family, scope),), False
+    rotates = (preset is not None and preset.rotation) if rotation == AUTO else rotation == "on"
+    return Placement(scope, levels, plan_per_block, plan_per_block and shared_destinations, proportional, schedule,
+                     ROTATION_STRENGTH if rotates else 0.0, caveats)

@@ -7,27 +7,18 @@ supported families.
 """
 import logging
 
-from ..toma_core import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, ROTATION_STRENGTH, CAToMe,
-                         CheckpointSchedule, DiTo, MatchingSchedule, ReuseSchedule, ToMA, ToMeSD)
+from ..toma_core import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, DiTo,
+                         MatchingSchedule, ReuseSchedule, ToMA, ToMeSD)
 from . import placement
 from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
                        keys_values_families, supported_families, unet)
-from .inputs import check_inputs
+from .inputs import (CATEGORY, DEFAULT_TEMPORAL_WINDOW, MODEL_INPUT, RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT,
+                     check_inputs, float_input, int_input, ratio_of)
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
 from .runtime.pace import HostPace, rule_on
 
 log = logging.getLogger("ComfyUI-ToMA")
-
-CATEGORY = "model_patches/token_merging"
-
-# Defaults chosen from the speed-vs-fidelity curves on the trained proxies (docs/benchmarks.md, "The defaults, and why").
-AUTO_RATIO = -1.0  # the ratio input's "auto": the model kind's ratio (placement.PRESETS)
-DEFAULT_RATIO = AUTO_RATIO
-DEFAULT_WINDOW = 0  # auto: the model kind's window (placement.PRESETS)
-DEFAULT_REUSE = 5
-DEFAULT_TEMPORAL_WINDOW = 2  # docs/notebook.md, "Windows over video frames"
-ROTATIONS = ("auto", "on", "off")  # the rotation input's choices; auto: the model kind's (placement.Preset.rotation)
 
 
 def model_sampling_of(model):
@@ -57,61 +48,38 @@ def watched(patched, runtime: MergeRuntime, unique_id):
     return patched
 
 
-def apply_strategy(model, strategy, levels="auto", scope: str = "auto", unique_id=None):
-    """Patch ``model`` with ``strategy`` (None: ratio 0, a plain clone) through the adapter of its family;
-    unsupported: ``model`` unpatched. ``unique_id``: the patch node's id, to which the live stats of each
-    sampling run are sent. ``levels`` is a UNet notion (a DiT has one token grid); ``scope`` is the
-    Advanced node's input, which each adapter reads for its family ("auto": the family's default)."""
-    if strategy is None:
-        return model.clone()
+def patch_with(model, name: str, settle, strategy_of, unique_id=None):
+    """Patch ``model`` through the adapter of its family; unsupported: ``model`` unpatched. ``settle(adapter)``
+    is where the node merges on that family (placement.settle), ``strategy_of(placement)`` the method as it
+    merges there. ``unique_id``: the patch node's id, to which the live stats of each sampling run are sent."""
     adapter = adapter_for(model)
     if adapter is None:
         log.warning("ToMA: %s is not supported by %s (supported: %s); returning the model unpatched",
-                    type(model.model).__name__, strategy.name, supported_families())
+                    type(model.model).__name__, name, supported_families())
         return model
+    where = settle(adapter)
+    strategy = strategy_of(where)
     # ToMA stops merging for a run where the host sets its pace (runtime/pace.py); the baselines run as published
     pace = HostPace() if isinstance(strategy, ToMA) and rule_on() else None
-    runtime = MergeRuntime(strategy, model_sampling_of(model), pace)
-    patched = adapter.patch(model, runtime, levels, scope)
+    runtime = MergeRuntime(strategy, model_sampling_of(model), where, pace)
+    patched = adapter.patch(model, runtime, where)
     return patched if patched is model else watched(patched, runtime, unique_id)
+
+
+def apply_strategy(model, strategy, levels="auto", scope: str = placement.AUTO, unique_id=None):
+    """Patch ``model`` with a baseline's ``strategy`` (None: ratio 0, a plain clone), each block call with
+    a plan of its own, as the baselines match. ``levels`` is a UNet notion (a DiT has one token grid);
+    ``scope``: "auto" is the family's fallback placement."""
+    if strategy is None:
+        return model.clone()
+    return patch_with(model, strategy.name,
+                      lambda family: placement.settle(family, scope, levels=levels, plan_per_block=True),
+                      lambda where: strategy, unique_id)
 
 
 def in_words(names) -> str:
     """["a", "b", "c"] -> "a, b and c"."""
     return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
-
-
-def _float(default, low, high, step, tooltip):
-    return ("FLOAT", {"default": default, "min": low, "max": high, "step": step, "tooltip": tooltip})
-
-
-def _int(default, low, high, tooltip):
-    return ("INT", {"default": default, "min": low, "max": high, "tooltip": tooltip})
-
-
-MODEL_INPUT = ("MODEL", {"tooltip": "The diffusion model to patch. It is cloned; the input stays unchanged."})
-RATIO_INPUT = _float(DEFAULT_RATIO, AUTO_RATIO, 0.9, 0.05,
-                     "Fraction of image tokens removed before attention. 0 = off (output identical to the "
-                     "unpatched model); -1 = auto, the default: the ratio that goes with the model kind's "
-                     "placement (" + ", ".join(f"{r:g} on {kinds}" for r, kinds in placement.values_in_words("ratio"))
-                     + "; README: What to expect); higher saves more and costs more of the picture.")
-WINDOW_INPUT = _int(DEFAULT_WINDOW, 0, 32,
-                    "Side, in tokens, of the local square window inside which destinations are chosen and "
-                    "tokens merged. Small windows keep merges local and selection cheap. 0 = auto: the "
-                    "model's default (" + ", ".join(f"{w} on {kinds}" for w, kinds in placement.values_in_words("window_size"))
-                    + ").")
-REUSE_INPUT = _int(DEFAULT_REUSE, 1, 100,
-                   "Steps between destination recomputations; in between, the destinations are reused "
-                   "(pattern reuse).")
-
-
-def ratio_of(ratio: float, preset: placement.Preset) -> float:
-    """The ratio input's value: -1 (auto) is the preset's ratio; other values below 0 are refused."""
-    if ratio == AUTO_RATIO:
-        return preset.ratio
-    if ratio < 0:
-        raise ValueError(f"ratio must be -1 (auto: the model kind's ratio) or between 0.0 and 0.9, got {ratio}")
-    return ratio
 
 
 class ModelPatchNode:
@@ -187,22 +155,22 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                "level with attention (1/1 on SD1.x/SD2.x, 1/2 on SDXL); auto+next adds the "
                                "level below it. UNets only: a DiT has one token grid and merges all "
                                "but the first blocks of each group."}),
-                "weights_interval": _int(1, 1, 100, "Steps between merge-weight refreshes (at most the "
+                "weights_interval": int_input(1, 1, 100, "Steps between merge-weight refreshes (at most the "
                                                     "reuse interval matters; 1 = every step)."),
-                "start_percent": _float(0.0, 0.0, 1.0, 0.01, "Merge from this point of the schedule on "
+                "start_percent": float_input(0.0, 0.0, 1.0, 0.01, "Merge from this point of the schedule on "
                                                              "(0 = first step)."),
-                "end_percent": _float(1.0, 0.0, 1.0, 0.01, "Stop merging at this point of the schedule "
+                "end_percent": float_input(1.0, 0.0, 1.0, 0.01, "Stop merging at this point of the schedule "
                                                            "(1 = last step)."),
-                "tau": _float(DEFAULT_TAU, 1.0, 10000.0, 1.0, "Softmax sharpness of the merge weights. "
+                "tau": float_input(DEFAULT_TAU, 1.0, 10000.0, 1.0, "Softmax sharpness of the merge weights. "
                               "Large = each token goes to its most similar destination."),
                 "exact_unmerge": ("BOOLEAN", {"default": False, "tooltip": "Unmerge with the exact "
                                   "pseudo-inverse (useful for small tau); off = the transpose, exact for large tau."}),
             },
             "optional": {
-                "temporal_window": _int(DEFAULT_TEMPORAL_WINDOW, 1, 16, "Video models: frames (latent frames) a "
+                "temporal_window": int_input(DEFAULT_TEMPORAL_WINDOW, 1, 16, "Video models: frames (latent frames) a "
                                         "merge window spans, so tokens merge with their neighbours in the "
                                         "next frames too; 1 = each frame apart. Images have one frame."),
-                "merge_every": _int(1, 1, 100, "Merge only on every k-th step (steps 0, k, 2k, ...); the other "
+                "merge_every": int_input(1, 1, 100, "Merge only on every k-th step (steps 0, k, 2k, ...); the other "
                                     "steps run the unpatched model. 1 = every step; the official Flux run "
                                     "uses 3."),
                 "plan_per_block": ("BOOLEAN", {"default": False, "tooltip": "Each block picks destinations and "
@@ -217,7 +185,7 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                         "first block of each level or block group chooses the destinations, "
                                         "each block computes its own weights to them (one selection per level "
                                         "instead of per block: far fewer GPU kernels, a little less faithful)."}),
-                "rotation": (list(ROTATIONS), {
+                "rotation": (list(placement.ROTATIONS), {
                     "default": "auto",
                     "tooltip": "Destinations that rotate: each time a plan chooses new destinations, tokens that "
                                "were destinations of the same plan earlier in the run are less likely to be "
@@ -240,34 +208,28 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                      rotation=rotation)
         preset = preset_of(model)
         ratio = ratio_of(ratio, preset)
-        if window_size == 0:
-            window_size = preset.window_size
-        short_run = None
-        if scope == placement.AUTO:
-            scope = preset.scope
-            short_run = preset.short_run
-            plan_per_block = plan_per_block or preset.plan_per_block
-            shared_destinations = shared_destinations or preset.shared_destinations
-            proportional_attention = proportional_attention or preset.proportional
-        schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every),
-                                 short_run)
-        rotates = preset.rotation if rotation == "auto" else rotation == "on"
-        strategy = toma_strategy(ratio, window_size, schedule, tau, exact_unmerge, temporal_window, plan_per_block,
-                                 shared_destinations, proportional_attention, ROTATION_STRENGTH if rotates else 0.0)
-        return (apply_strategy(model, strategy, levels, scope, unique_id),)
+        if ratio == 0:
+            return (model.clone(),)
+        schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every))
+        window_size = window_size or preset.window_size
+
+        def settle(family):
+            return placement.settle(family, scope, preset, levels=levels, plan_per_block=plan_per_block,
+                                    shared_destinations=shared_destinations, proportional=proportional_attention,
+                                    schedule=schedule, rotation=rotation)
+
+        def strategy(where):
+            return toma_strategy(ratio, window_size, where, tau, exact_unmerge, temporal_window)
+
+        return (patch_with(model, "ToMA", settle, strategy, unique_id),)
 
 
-def toma_strategy(ratio: float, window_size: int, schedule: ReuseSchedule, tau: float = DEFAULT_TAU,
-                  exact_unmerge: bool = False, temporal_window: int = DEFAULT_TEMPORAL_WINDOW,
-                  plan_per_block: bool = False, shared_destinations: bool = False, proportional: bool = False,
-                  rotation: float = 0.0):
-    """ToMA as a node's inputs ask for it (``window_size`` resolved: not 0; ``rotation`` a strength, 0: off);
-    None at ratio 0 (nothing merges)."""
-    if ratio == 0:
-        return None
-    return ToMA(ratio, int(window_size), schedule, tau, exact_unmerge, temporal_window=int(temporal_window),
-                shares_plans=not plan_per_block, shares_destinations=plan_per_block and shared_destinations,
-                proportional=proportional, rotation=rotation)
+def toma_strategy(ratio: float, window_size: int, where: placement.Placement, tau: float = DEFAULT_TAU,
+                  exact_unmerge: bool = False, temporal_window: int = DEFAULT_TEMPORAL_WINDOW) -> ToMA:
+    """ToMA as a node's inputs ask for it (``window_size`` resolved: not 0), with the schedule and rotation
+    its placement settled."""
+    return ToMA(ratio, int(window_size), where.schedule, tau, exact_unmerge, temporal_window=int(temporal_window),
+                rotation=where.rotation)
 
 
 def _downsample_levels(max_downsample: int) -> frozenset[int]:
@@ -280,9 +242,9 @@ TOME_COMMON = {
     "max_downsample": (list(MAX_DOWNSAMPLE_CHOICES), {
         "default": 1, "tooltip": "Merge in UNet levels downsampled at most this much (1 = full resolution "
                                  "only, as ToMeSD's default; SDXL has no attention there, use 2)."}),
-    "sx": _int(2, 1, 8, "Width of the cell that holds one destination."),
-    "sy": _int(2, 1, 8, "Height of the cell that holds one destination."),
-    "seed": _int(0, 0, SEED_MAX, "Seed of the random destination position in each cell."),
+    "sx": int_input(2, 1, 8, "Width of the cell that holds one destination."),
+    "sy": int_input(2, 1, 8, "Height of the cell that holds one destination."),
+    "seed": int_input(0, 0, SEED_MAX, "Seed of the random destination position in each cell."),
 }
 
 
@@ -293,7 +255,7 @@ class ToMeSDPatchModel(ModelPatchNode):
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": MODEL_INPUT,
-                             "ratio": _float(0.5, 0.0, 0.75, 0.05, "Fraction of tokens merged away (ToMeSD "
+                             "ratio": float_input(0.5, 0.0, 0.75, 0.05, "Fraction of tokens merged away (ToMeSD "
                                              "caps it at 1 - 1/(sx*sy))."),
                              **TOME_COMMON},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
@@ -323,7 +285,7 @@ class CAToMePatchModel(ModelPatchNode):
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": MODEL_INPUT,
-                             "threshold": _float(0.7, -1.0, 1.0, 0.01, "Sources at least this cosine-similar "
+                             "threshold": float_input(0.7, -1.0, 1.0, 0.01, "Sources at least this cosine-similar "
                                                  "to a destination are merged; 1 = almost nothing merged."),
                              "checkpoints": ("STRING", {"default": ",".join(map(str, CATOME_CONFIG3)),
                                              "tooltip": f"Steps of a {CATOME_REFERENCE_STEPS}-step run, counted "
@@ -352,13 +314,13 @@ class DiToPatchModel(ModelPatchNode):
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": MODEL_INPUT,
-                             "ratio": _float(0.5, 0.0, 0.75, 0.05, "Fraction of image tokens merged away at reduction "
+                             "ratio": float_input(0.5, 0.0, 0.75, 0.05, "Fraction of image tokens merged away at reduction "
                                              "steps (at most 1 - 1/(2*2): one destination per 2x2 cell); 0 = off."),
-                             "matching_interval": _int(5, 2, 50, "Steps from one matching step to the next: each "
+                             "matching_interval": int_input(5, 2, 50, "Steps from one matching step to the next: each "
                                                        "block runs unmerged at a matching step and merges by its "
                                                        "matching over the steps in between (the paper chooses it by "
                                                        "its Pair Match Ratio)."),
-                             "penalty": _float(0.5, 0.0, 4.0, 0.05, "Selection-frequency penalty: a token's matching "
+                             "penalty": float_input(0.5, 0.0, 4.0, 0.05, "Selection-frequency penalty: a token's matching "
                                                "score is lowered by this much for every earlier matching of the run "
                                                "that merged it away, so later matchings merge other tokens (0 = off)."),
                              "seed": TOME_COMMON["seed"]},

@@ -137,9 +137,11 @@ def test_each_kind_of_unet_gets_its_preset_and_the_basic_node_is_advanced_auto(p
     basic = pack.nodes.NODE_CLASS_MAPPINGS["ToMAPatchModel"]().patch(model, 0.5, 4, 5)[0]
     auto = advanced(pack, model, "auto", levels=preset.levels, weights_interval=preset.weights_interval,
                     start_percent=preset.start_percent, merge_every=preset.merge_every)
-    strategy = pack.nodes.runtime.runtime_of(basic).strategy
-    assert strategy == pack.nodes.runtime.runtime_of(auto).strategy
-    assert (not strategy.shares_plans, strategy.shares_destinations, strategy.proportional) == (
+    runtime = pack.nodes.runtime.runtime_of(basic)
+    assert runtime.strategy == pack.nodes.runtime.runtime_of(auto).strategy
+    where = runtime.placement
+    assert where == pack.nodes.runtime.runtime_of(auto).placement
+    assert (where.plan_per_block, where.shared_destinations, where.proportional) == (
         preset.plan_per_block, preset.plan_per_block and preset.shared_destinations, preset.proportional)
     assert torch.equal(sample(basic), sample(auto))
 
@@ -162,3 +164,58 @@ def test_a_dit_falls_back_to_its_default_placement_and_says_so(pack, scope, capl
     latent = torch.zeros(1, 16, 16, 16)
     assert torch.equal(sampling.sample(patched, conditioning, latent, steps=1),
                        sampling.sample(default, conditioning, latent, steps=1))
+
+
+def test_the_placement_is_settled_once_from_the_inputs_and_the_kind(pack, caplog):
+    """placement.settle: scope "auto" takes the kind's placement and fixes (a ToMA preset) or the family's
+    fallback (a baseline); a scope the family does not honour falls back, said in the log; proportional
+    attention asked for with a scope that keeps keys out of the attention call's merging is turned off with
+    its caveat, written once for every adapter; rotation "auto" is the kind's; the short-run schedule comes
+    with the kind's placement only."""
+    placement, core = pack.nodes.placement, pack.toma_core
+    unet, sd3 = pack.nodes.adapters.unet, pack.nodes.adapters.families.SD3
+    sd1, video = placement.PRESETS["sd1"], placement.PRESETS["video"]
+    schedule = core.ReuseSchedule(reuse_interval=5)
+
+    auto = placement.settle(unet, "auto", sd1, schedule=schedule)
+    assert (auto.scope, auto.plan_per_block, auto.shared_destinations, auto.proportional, auto.rotation,
+            auto.caveats) == (sd1.scope, True, True, True, 0.0, ())
+    assert placement.settle(unet, "auto").scope == unet.fallback == placement.ATTENTION
+    chosen = placement.settle(unet, "attention", sd1, proportional=True, shared_destinations=True, rotation="on")
+    assert (chosen.proportional, chosen.plan_per_block, chosen.shared_destinations, chosen.rotation) == (
+        True, False, False, core.ROTATION_STRENGTH)
+    for scope, why in (("block", "the blocks run their own attention"), ("queries", "the keys stay whole")):
+        settled = placement.settle(unet, scope, sd1, proportional=True)
+        assert not settled.proportional and settled.scope == scope
+        assert settled.caveats == (f"proportional attention is not honoured on {unet.name} with scope {scope} "
+                                   f"({placement.KEYS_WHOLE[scope]}): use scope attention or keys/values",)
+        assert why in settled.caveats[0]
+
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
+        fallen = placement.settle(sd3, "keys/values", proportional=True)
+    assert fallen.scope == placement.BLOCK and not fallen.proportional
+    assert any("SD3/SD3.5 cannot merge with scope keys/values" in r.getMessage() for r in caplog.records)
+    assert fallen.caveats == ("proportional attention is not honoured on SD3/SD3.5 with scope block (the blocks run "
+                              "their own attention on merged tokens)",)  # SD3 offers no other scope
+
+    assert placement.settle(sd3, "auto", video, schedule=schedule).schedule.short_run == video.short_run
+    assert placement.settle(sd3, "block", video, schedule=schedule).schedule.short_run is None
+    assert placement.settle(sd3, "block", video, rotation="auto").rotation == core.ROTATION_STRENGTH
+    assert placement.settle(sd3, "block", rotation="auto").rotation == 0.0
+
+
+def test_the_adapter_and_the_runtime_read_the_placement_the_node_settled(pack, sd15, monkeypatch):
+    """The node settles once: the adapter is handed the runtime's own Placement, and per-block plans
+    become per-block plan keys through it (the strategy carries no placement)."""
+    model, _ = sd15
+    unet = pack.nodes.adapters.unet
+    handed = []
+    monkeypatch.setattr(unet, "patch", lambda m, runtime, where, patch=unet.patch: (
+        handed.append((runtime, where)), patch(m, runtime, where))[1])
+    patched = advanced(pack, model, "keys/values", True, plan_per_block=True)
+    ((runtime, where),) = handed
+    assert runtime is pack.nodes.runtime.runtime_of(patched) and where is runtime.placement
+    assert where.plan_per_block and where.proportional and where.scope == "keys/values"
+    assert not any(hasattr(runtime.strategy, name) for name in ("proportional", "shares_plans", "shares_destinations"))
+    sample(patched)
+    assert {key.block is not None for key in runtime.report().plans} == {True}

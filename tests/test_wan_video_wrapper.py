@@ -289,7 +289,7 @@ def test_phantom_reference_frames_run_unmerged_and_are_named(wrapper, pack, node
     without = {call["current_step"] for call in calls} - set(given)
     assert given and (without if end_percent < 1 else not without)
     report = report_of(patched)
-    name = f"{pack.nodes.wan_video_wrapper.UNMERGED_INPUTS['phantom_ref']} (phantom_ref)"
+    name = f"{pack.nodes.adapters.wan_video_wrapper.UNMERGED_INPUTS['phantom_ref']} (phantom_ref)"
     assert report.unmerged == {name: len(patch_of(patched).blocks) * len(given)}
     assert {step for stats in report.levels.values() for step in stats.steps} == without
     if not without:
@@ -538,16 +538,16 @@ def test_a_renamed_self_attention_is_refused(node, caplog, change):
 def test_the_stand_in_has_the_signatures_of_the_real_code(wrapper, pack):
     """The stand-in above keeps what the node reads of the real 2026 code: its parameter names."""
     module = wrapper.module("wanvideo.modules.model")
-    node_module = pack.nodes.wan_video_wrapper
+    adapter = pack.nodes.adapters.wan_video_wrapper
     real = inspect.signature(module.WanModel.forward).parameters
-    assert set(node_module.FORWARD_PARAMETERS) <= set(real)
+    assert set(adapter.FORWARD_PARAMETERS) <= set(real)
     attention = list(inspect.signature(module.WanSelfAttention.forward).parameters)
-    assert tuple(attention[1:5]) == node_module.SELF_ATTENTION_PARAMETERS
-    assert node_module.attention_function(ww.tiny_model(wrapper).model.diffusion_model) is not None
+    assert tuple(attention[1:5]) == adapter.SELF_ATTENTION_PARAMETERS
+    assert adapter.attention_function(ww.tiny_model(wrapper).model.diffusion_model) is not None
 
 
 def test_a_per_frame_timestep_keeps_the_first_frame_whole(pack):
-    layout = pack.nodes.wan_video_wrapper.call_layout
+    layout = pack.nodes.adapters.wan_video_wrapper.call_layout
     x = [torch.zeros(16, 3, 8, 8)]
     assert layout({"x": x, "seq_len": 48, "t": torch.zeros(1)}, (1, 2, 2)) == (0, (3, 4, 4), 48)
     assert layout({"x": x, "seq_len": 48, "t": torch.zeros(1, 3)}, (1, 2, 2)) == (16, (2, 4, 4), 48)

@@ -12,9 +12,9 @@ stats (None: plans may merge).
 every block and step draws new random cells. A strategy whose ``draws_seed`` is true (ToMA with windows
 over 64 tokens, ToMeSD) is given no generator but a ``seed`` tensor instead (``selection.draw_seed``, one
 per model call from the run's generator, a stream of it per build: ``selection.seed_stream``), drawn
-before the model call, since a block call under torch.compile cannot draw from a generator. ``shares_plans``: one plan serves all blocks
-of a group (a UNet level, a DiT block group) in a step, or each block call matches for itself (ToMA's
-``shares_destinations``: with the group's destinations).
+before the model call, since a block call under torch.compile cannot draw from a generator. Whether one
+plan serves the blocks of a group in a step or each block call builds its own is where a host merges,
+not what a method is: the host decides it (ComfyUI-ToMA's ``placement.Placement``).
 
 Rotating destinations (ToMA's ``rotation``, a strength; 0: off): where a build chooses destinations, it is
 given ``chosen``, the counts of how often each token was a destination at the plan key's earlier builds in
@@ -36,8 +36,7 @@ from .tiles import token_grid
 @dataclass(frozen=True)
 class ToMA:
     """ToMA: destinations by facility location in local windows, soft merge weights, reused across steps
-    as ``schedule`` says and, where ``shares_plans``, across the blocks of a group (else each block builds
-    its own from its own input). A window is ``window_size`` tokens square and, on a video grid,
+    as ``schedule`` says. A window is ``window_size`` tokens square and, on a video grid,
     ``temporal_window`` frames deep (1: each frame apart, as on images)."""
 
     ratio: float
@@ -47,11 +46,6 @@ class ToMA:
     exact: bool = False
     seed: int = 0
     temporal_window: int = 1
-    shares_plans: bool = True
-    # where plans are per block: the group's first block chooses the destinations, every block its own
-    # weights (one selection per group instead of one per block)
-    shares_destinations: bool = False
-    proportional: bool = False  # merged keys weigh as the tokens they stand for (toma_core.attention)
     # strength of rotating destinations (plan.ROTATION_STRENGTH; 0: off): a token that was a destination at the
     # plan key's earlier builds in the run is less likely to be one again (plan_tiles)
     rotation: float = 0.0
@@ -101,7 +95,6 @@ class ToMeSD:
     seed: int = 0
     schedule: EveryCall = field(default_factory=EveryCall)
     name = "ToMeSD"
-    shares_plans = False
     patches_dits = False
     draws_seed = True
 
@@ -122,7 +115,6 @@ class CAToMe:
     seed: int = 0
     schedule: CheckpointSchedule = field(default_factory=CheckpointSchedule)
     name = "CA-ToMe"
-    shares_plans = False
     patches_dits = False
     # what the method does under torch.compile, said once where the model is compiled (the others: None)
     under_compile = ("its merged length depends on the data, so torch.compile breaks the graph around each "
@@ -149,9 +141,7 @@ class DiTo:
     sy: int = 2
     seed: int = 0
     schedule: MatchingSchedule = field(default_factory=MatchingSchedule)
-    proportional: bool = False
     name = "DiTo"
-    shares_plans = False
     patches_dits = True
     patches_unets = False
     draws_seed = True

@@ -5,10 +5,16 @@ An adapter offers:
     names                                    what users know its models by (node descriptions, README,
                                              help pages, pyproject.toml: tests/test_family_lists.py)
     supports(model) -> bool                  whether the ModelPatcher's diffusion model is of this family
-    patch(model, runtime, levels, scope)     the patched clone; ``model`` itself, unpatched with a log
-                                             message, when the strategy or the host cannot serve it
+    placements, fallback                     the scopes it honours, and the one it takes for another
+                                             (placement.settle)
+    patch(model, runtime, placement)         the patched clone, merging where ``placement`` (the node's
+                                             placement.Placement, settled once) says; ``model`` itself,
+                                             unpatched with a log message, when the strategy or the host
+                                             cannot serve it
 The UNet adapter is a module (unet.py); every DiT family is a declaration (family.DiTFamily) in
-families.py. Adding a DiT family is its row there and in DIT_FAMILIES, its model builder and conformance
+families.py; kijai's WanVideoWrapper, whose WANVIDEOMODEL no other adapter sees, has one of its own
+(wan_video_wrapper.py), used by its node only.
+Adding a DiT family is its row there and in DIT_FAMILIES, its model builder and conformance
 row in the tests, and its row in docs/models.md.
 """
 from .. import placement

@@ -116,10 +116,11 @@ class DiTFamily:
         dm = getattr(model.model, "diffusion_model", None)
         return cls is not None and isinstance(dm, cls) and all(hasattr(dm, g.blocks) for g in self.groups)
 
-    def scope(self, scope) -> str:
-        """The placement this family uses for the node's ``scope`` (None: "auto")."""
-        auto = placement.DIT_AUTO if placement.DIT_AUTO in self.placements else placement.BLOCK
-        return placement.resolve(scope or placement.AUTO, self.name, self.placements, auto)
+    @property
+    def fallback(self) -> str:
+        """The placement this family uses where a node's scope is "auto" without a preset, or one it does not
+        honour (placement.settle)."""
+        return placement.DIT_AUTO if placement.DIT_AUTO in self.placements else placement.BLOCK
 
     def layout_wrapper(self, model, runtime: MergeRuntime):
         """(wrapper type, key, stash) for ModelPatcher.add_wrapper_with_key around the first of
@@ -143,10 +144,11 @@ class DiTFamily:
         """The first of ``wrappers`` whose call ``model`` has."""
         return next((where for where in self.wrappers if wrapped(model, where) is not None), None)
 
-    def patch(self, model, runtime: MergeRuntime, levels=None, scope=None):
-        """The patched clone (``levels`` is a UNet notion: a DiT has one token grid); ``model`` itself,
-        unpatched with a log message, when the model, the strategy or the host cannot be served."""
-        chosen = self.scope(scope)
+    def patch(self, model, runtime: MergeRuntime, where: placement.Placement):
+        """The patched clone, merging with ``where``'s scope (its levels are a UNet notion: a DiT has one
+        token grid); ``model`` itself, unpatched with a log message, when the model, the strategy or the host
+        cannot be served."""
+        chosen = where.scope
         dm = model.model.diffusion_model
         why = self.unserved(dm) if self.unserved is not None else None
         if why is not None:
@@ -166,18 +168,13 @@ class DiTFamily:
             log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
                         "unpatched", name)
             return model
-        proportional = bool(getattr(runtime.strategy, "proportional", False))
         blocks = self.blocks(runtime, attention_only=attention_only(chosen, self.name),
-                             keys_values=keys_values_only(chosen, self.name), proportional=proportional,
+                             keys_values=keys_values_only(chosen, self.name), proportional=where.proportional,
                              feed_forward=self.feed_forward if chosen == placement.FEED_FORWARD else ())
         blocks.read_model(dm)
-        if proportional and blocks.feed_forward:
-            runtime.caveat(f"proportional attention is not honoured with scope feed-forward ({self.name}'s "
-                           "attention keeps every key)")
-        elif proportional and not (blocks.attention_only or blocks.keys_values):
-            runtime.caveat(f"proportional attention is not honoured on {self.name} with scope block (its blocks run "
-                           "their own attention on merged tokens): use scope keys/values or attention")
-        elif proportional and blocks.attention_only:
+        if where.proportional and not (blocks.attention_only or blocks.keys_values):  # a host without overrides
+            runtime.caveat(placement.proportional_not_honoured(self, placement.BLOCK))
+        elif where.proportional and blocks.attention_only:
             runtime.caveat(f"proportional attention is honoured only in {self.name}'s double blocks (scope "
                            "attention); its single blocks run whole on merged tokens without it")
         m = model.clone()

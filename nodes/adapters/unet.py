@@ -133,7 +133,7 @@ class UNetPatch:
         self.runtime = runtime
         self.levels = levels
         self.scope = scope
-        self.proportional = proportional and scope in placement.KEYS_MERGED
+        self.proportional = proportional
         # (options, token shape, whether it arrived as self-attention) noted by observe, taken by attn1.forward
         self.current = None
 
@@ -327,6 +327,8 @@ def patch_node_name(fn) -> str:
 # its models by.
 name = "SD1.x/SD2.x/SDXL UNet"
 names = ("SD1.x", "SD2.x", "SDXL")
+placements = placement.UNET_PLACEMENTS  # the scopes a UNet honours (placement.settle)
+fallback = placement.UNET_AUTO
 
 
 def supports(model) -> bool:
@@ -353,26 +355,21 @@ def forward_before_ours(m, key):
     return current
 
 
-def patch(model, runtime: MergeRuntime, levels="auto", scope: str = "auto"):
-    """The patched clone of ``model`` (a ComfyUI ModelPatcher). levels: a LEVEL_CHOICES string or a set
-    of downsample factors; scope: a placement.SCOPES value, "auto" = "attention" (anything else is a
-    ValueError naming it). Where keys merge, a strategy whose ``proportional`` is set weighs each merged
-    key as the tokens it stands for."""
+def patch(model, runtime: MergeRuntime, where: placement.Placement):
+    """The patched clone of ``model`` (a ComfyUI ModelPatcher), merging at ``where``'s levels (a
+    LEVEL_CHOICES string or a set of downsample factors) with its scope."""
     if not getattr(runtime.strategy, "patches_unets", True):
         log.warning("ToMA: %s is for DiTs and does not patch UNets; %s (%s) returned unpatched (use the ToMA node on "
                     "UNets)", runtime.name, type(model.model).__name__, name)
         return model
-    scope = placement.resolve(scope, name, placement.UNET_PLACEMENTS, placement.UNET_AUTO)
+    scope = where.scope
     dm = model.model.diffusion_model
     available = attention_levels(dm)
-    levels = resolve_levels(levels, available)
+    levels = resolve_levels(where.levels, available)
     if not levels & set(available):  # e.g. ToMeSD's max_downsample 1 on SDXL: a silent no-op otherwise
         log.warning("ToMA: %s merges nothing: this UNet has attention only at downsample %s, none of %s",
                     runtime.name, ", ".join(map(str, available)), ", ".join(map(str, sorted(levels))))
-    patch = UNetPatch(runtime, levels, scope, getattr(runtime.strategy, "proportional", False))
-    if getattr(runtime.strategy, "proportional", False) and scope == placement.BLOCK:
-        runtime.caveat("proportional attention is not honoured with scope block (the blocks run their own "
-                       "attention on merged tokens): use scope attention or keys/values")
+    patch = UNetPatch(runtime, levels, scope, where.proportional)
     m = model.clone()
     hold(m, patch)
     if scope != placement.BLOCK:

@@ -67,8 +67,8 @@ def unet_level(h: int, w: int, downsample: int) -> Level:
 
 
 class PlanKey(NamedTuple):
-    """One cached plan: its level, the block it belongs to (None where the strategy shares one plan per
-    level), and the batch layout of the calls it serves (``batch_key``)."""
+    """One cached plan: its level, the block it belongs to (None where one plan serves the level: the
+    placement has no plans per block), and the batch layout of the calls it serves (``batch_key``)."""
 
     level: Level
     block: object

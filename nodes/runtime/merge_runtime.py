@@ -74,8 +74,9 @@ def compiled_model(apply_model, transformer_options) -> bool:
 class MergeRuntime:
     """Step location, plan cache and stats for one patched model."""
 
-    def __init__(self, strategy, model_sampling, pace: HostPace | None = None):
+    def __init__(self, strategy, model_sampling, placement, pace: HostPace | None = None):
         self.strategy = strategy
+        self.placement = placement  # where the node merges (placement.Placement): plans per block, shared destinations
         self.pace = pace  # the rule that stops merging for a run where the host sets the pace (None: no rule)
         self.name = strategy.name
         self.steps = StepLocator(model_sampling)
@@ -113,6 +114,8 @@ class MergeRuntime:
         self._short_run = None  # how this run's schedule adapted to its few steps, in words
         self._in_run = False  # begin_run seen, end_run not yet
         self._unreported = False  # the model ran since the last end_run
+        for message in placement.caveats:
+            self.caveat(message)
 
     def __deepcopy__(self, memo):
         # ComfyUI deep-copies model_options (and the bound patch methods in it) on every clone
@@ -460,7 +463,7 @@ class MergeRuntime:
 
     def plan_key(self, level: Level, block, rows: tuple) -> PlanKey:
         """The key of the plan ``block`` uses at ``level`` for calls of batch layout ``rows`` (``batch_key``)."""
-        return PlanKey(level, None if self.strategy.shares_plans else block, rows)
+        return PlanKey(level, block if self.placement.plan_per_block else None, rows)
 
     def expect(self, call: ModelCall, keys) -> None:
         """Settle before the model runs the decisions of plan ``keys`` this call's blocks will ask for that the run
@@ -481,7 +484,7 @@ class MergeRuntime:
         chooses them for all. A strategy that rotates destinations is given the counts of the earlier
         builds of the plan key (of the level, where it shares destinations) in the call (``ModelCall.chosen``), and the plan's updated
         counts are kept after it."""
-        shared = (level, rows) if getattr(self.strategy, "shares_destinations", False) else None
+        shared = (level, rows) if self.placement.shared_destinations else None
         if given is None and shared is not None and shared in call.shared:
             given = call.shared[shared]  # another block of the level chose them in this call
         feats = features()
@@ -503,7 +506,7 @@ class MergeRuntime:
     def counts_key(self, key: PlanKey) -> tuple:
         """What rotation counts are kept by for the plans of ``key``: the key, or (level, rows) where the
         blocks of a level share destinations (its first block chooses them for all)."""
-        if getattr(self.strategy, "shares_destinations", False):
+        if self.placement.shared_destinations:
             return (key.level, key.rows)
         return key
 
