@@ -22,19 +22,21 @@ def int_input(default, low, high, tooltip):
     return ("INT", {"default": default, "min": low, "max": high, "tooltip": tooltip})
 
 
+def per_kind(field: str) -> str:
+    """"0.5 on image DiTs, 0.75 on ..." for the presets' ``field`` ("ratio", "window_size"), for tooltips."""
+    return ", ".join(f"{value:g} on {kinds}" for value, kinds in placement.values_in_words(field))
+
+
 MODEL_INPUT = ("MODEL", {"tooltip": "The diffusion model to patch. It is cloned; the input stays unchanged."})
 RATIO_INPUT = float_input(DEFAULT_RATIO, AUTO_RATIO, 0.9, 0.05,
                           "Fraction of image tokens removed before attention. 0 = off (output identical to the "
                           "unpatched model); -1 = auto, the default: the ratio that goes with the model kind's "
-                          "placement (" + ", ".join(f"{r:g} on {kinds}"
-                                                    for r, kinds in placement.values_in_words("ratio"))
-                          + "; README: What to expect); higher saves more and costs more of the picture.")
+                          f"placement ({per_kind('ratio')}; README: What to expect); higher saves more and costs "
+                          "more of the picture.")
 WINDOW_INPUT = int_input(DEFAULT_WINDOW, 0, 32,
                          "Side, in tokens, of the local square window inside which destinations are chosen and "
                          "tokens merged. Small windows keep merges local and selection cheap. 0 = auto: the "
-                         "model's default (" + ", ".join(f"{w} on {kinds}"
-                                                         for w, kinds in placement.values_in_words("window_size"))
-                         + ").")
+                         f"model's default ({per_kind('window_size')}).")
 REUSE_INPUT = int_input(DEFAULT_REUSE, 1, 100,
                         "Steps between destination recomputations; in between, the destinations are reused "
                         "(pattern reuse).")
