@@ -12,8 +12,8 @@ from ..toma_core import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CA
 from . import placement
 from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
                        keys_values_families, supported_families, unet)
-from .inputs import (CATEGORY, DEFAULT_TEMPORAL_WINDOW, MODEL_INPUT, RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT,
-                     check_inputs, float_input, int_input, ratio_of)
+from .inputs import (CATEGORY, DEFAULT_RATIO, DEFAULT_REUSE, DEFAULT_TEMPORAL_WINDOW, DEFAULT_WINDOW, MODEL_INPUT,
+                     RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT, check_inputs, float_input, int_input, ratio_of)
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
 from .runtime.pace import HostPace, rule_on
@@ -111,7 +111,8 @@ class ToMAPatchModel(ModelPatchNode):
                              "reuse_interval": REUSE_INPUT},
                 "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    def patch(self, model, ratio, window_size, reuse_interval, unique_id=None):
+    def patch(self, model, ratio=DEFAULT_RATIO, window_size=DEFAULT_WINDOW, reuse_interval=DEFAULT_REUSE,
+              unique_id=None):
         preset = preset_of(model)
         return ToMAPatchModelAdvanced().patch(model, ratio, window_size, reuse_interval, levels=preset.levels,
                                               weights_interval=preset.weights_interval,

@@ -14,12 +14,6 @@ from toma_bench import comfy_host, models, sampling
 pytestmark = pytest.mark.comfy
 
 
-
-def defaults(pack) -> tuple:
-    """The basic node's ratio, window and reuse inputs at their defaults."""
-    inputs = pack.nodes.inputs
-    return inputs.DEFAULT_RATIO, inputs.DEFAULT_WINDOW, inputs.DEFAULT_REUSE
-
 def sample_unet(model, steps):
     latent = torch.zeros(1, 4, 32, 32)
     return sampling.sample(model, models.conditioning("sd15", 1, height=256, width=256), latent, steps=steps, cfg=1.0)
@@ -46,7 +40,7 @@ def test_ratio_auto_is_the_kinds_ratio(pack, sd15, monkeypatch):
     for node in ("ToMAPatchModel", "ToMAPatchModelAdvanced"):
         assert pack.nodes.NODE_CLASS_MAPPINGS[node].INPUT_TYPES()["required"]["ratio"][1]["default"] == -1
     monkeypatch.setitem(placement.PRESETS, "sd1", dataclasses.replace(placement.PRESETS["sd1"], ratio=0.6))
-    basic = nodes.ToMAPatchModel().patch(sd15, *defaults(pack))[0]
+    basic = nodes.ToMAPatchModel().patch(sd15, nodes.DEFAULT_RATIO, nodes.DEFAULT_WINDOW, nodes.DEFAULT_REUSE)[0]
     assert strategy_of(pack, basic).ratio == 0.6
     for scope in ("auto", "block"):
         auto = nodes.ToMAPatchModelAdvanced().patch(sd15, -1, 0, 5, scope=scope)[0]
@@ -86,7 +80,7 @@ def test_a_negative_ratio_other_than_auto_is_refused(pack, sd15, ratio):
 def test_each_dit_kind_gets_its_ratio(pack):
     nodes, placement = pack.nodes.toma_nodes, pack.nodes.placement
     for model, kind in ((models.build_flux(seed=0), "dit"), (models.build_wan("t2v", seed=0), "video")):
-        basic = nodes.ToMAPatchModel().patch(model, *defaults(pack))[0]
+        basic = nodes.ToMAPatchModel().patch(model, nodes.DEFAULT_RATIO, nodes.DEFAULT_WINDOW, nodes.DEFAULT_REUSE)[0]
         assert strategy_of(pack, basic).ratio == placement.PRESETS[kind].ratio
 
 

@@ -25,12 +25,6 @@ HEAD = models.WAN_TINY["dim"] // models.WAN_TINY["num_heads"]
 STEPS = 4
 
 
-
-def defaults(pack) -> tuple:
-    """The basic node's ratio, window and reuse inputs at their defaults."""
-    inputs = pack.nodes.inputs
-    return inputs.DEFAULT_RATIO, inputs.DEFAULT_WINDOW, inputs.DEFAULT_REUSE
-
 def protocol_missing() -> str | None:
     """Why this tree cannot host the sparse node's protocol, or None (feature-detected)."""
     if not comfy_host.has_current_comfy():
@@ -75,7 +69,7 @@ def sample(model):
 
 def toma_default(pack, model):
     nodes = pack.nodes.toma_nodes
-    (patched,) = nodes.ToMAPatchModel().patch(model, *defaults(pack))
+    (patched,) = nodes.ToMAPatchModel().patch(model, nodes.DEFAULT_RATIO, nodes.DEFAULT_WINDOW, nodes.DEFAULT_REUSE)
     return patched, pack.nodes.runtime.runtime_of(patched)
 
 

@@ -311,10 +311,10 @@ def variants_for(name: str, pack) -> list[Variant]:
     express, and the other methods where they apply (ToMeSD, CA-ToMe on UNets; DiTo on Flux and SD3.5)."""
     tn = pack.nodes.toma_nodes
     basic, advanced = tn.ToMAPatchModel(), tn.ToMAPatchModelAdvanced()
-    w, reuse = 4, run.node_inputs(tn).DEFAULT_REUSE  # every row but the node default's names window 4
+    w, reuse = 4, tn.DEFAULT_REUSE  # every row but the node default's names window 4
     out = [Variant("unpatched", patch=lambda m: m),
            Variant("ToMA default (r=auto)",
-                   patch=lambda m: basic.patch(m, run.node_inputs(tn).DEFAULT_RATIO, run.node_inputs(tn).DEFAULT_WINDOW, reuse)[0])]
+                   patch=lambda m: basic.patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, reuse)[0])]
     if name in UNET_MODELS:
         for scope, levels, r in (("attention", "auto", 0.75), ("block", "auto", 0.5), ("block", "auto+next", 0.5),
                                  ("block", "auto+next", 0.75)):
@@ -354,8 +354,8 @@ def default_with_rotation(tn, rotation: str, ratio: float | None = None):
 
     def patch(m):
         kind = tn.preset_of(m)
-        return tn.ToMAPatchModelAdvanced().patch(m, run.node_inputs(tn).DEFAULT_RATIO if ratio is None else ratio, run.node_inputs(tn).DEFAULT_WINDOW,
-                                                 run.node_inputs(tn).DEFAULT_REUSE, levels=kind.levels,
+        return tn.ToMAPatchModelAdvanced().patch(m, tn.DEFAULT_RATIO if ratio is None else ratio, tn.DEFAULT_WINDOW,
+                                                 tn.DEFAULT_REUSE, levels=kind.levels,
                                                  weights_interval=kind.weights_interval,
                                                  start_percent=kind.start_percent, merge_every=kind.merge_every,
                                                  rotation=rotation)[0]
@@ -880,9 +880,9 @@ def sequence_parallel_variants(pack) -> list[Variant]:
     advanced = tn.ToMAPatchModelAdvanced()
     return [Variant("unpatched", patch=lambda m: m),
             Variant("ToMA default (r=auto)",
-                    patch=lambda m: tn.ToMAPatchModel().patch(m, run.node_inputs(tn).DEFAULT_RATIO, run.node_inputs(tn).DEFAULT_WINDOW, run.node_inputs(tn).DEFAULT_REUSE)[0])
+                    patch=lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0])
             ] + [Variant(f"ToMA scope block r={r:g}",
-                         patch=lambda m, r=r: advanced.patch(m, r, 4, run.node_inputs(tn).DEFAULT_REUSE, scope="block")[0])
+                         patch=lambda m, r=r: advanced.patch(m, r, 4, tn.DEFAULT_REUSE, scope="block")[0])
                  for r in (0.5, 0.75)]
 
 

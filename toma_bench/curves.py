@@ -70,7 +70,7 @@ def toma(tn, family: str, setting: str, ratio: float, **inputs) -> Variant:
     attention and rotation off unless named (the node's defaults before the presets per kind of model, so
     that rows keep their meaning when a preset changes)."""
     node = tn.ToMAPatchModelAdvanced()
-    inputs = {"window_size": WINDOW, "reuse_interval": run.node_inputs(tn).DEFAULT_REUSE, "scope": "attention", "rotation": "off",
+    inputs = {"window_size": WINDOW, "reuse_interval": tn.DEFAULT_REUSE, "scope": "attention", "rotation": "off",
               **inputs}
     return Variant(family, setting, lambda m: node.patch(m, ratio, **inputs)[0])
 
@@ -83,9 +83,9 @@ def node_default(tn, ratio: float | None, rotation: str = "auto") -> Variant:
     if rotation != "auto":
         return Variant(f"ToMA node default, rotation {rotation}", setting,
                        costmodel.default_with_rotation(tn, rotation, ratio))
-    ratio = run.node_inputs(tn).DEFAULT_RATIO if ratio is None else ratio
+    ratio = tn.DEFAULT_RATIO if ratio is None else ratio
     return Variant("ToMA node default", setting,
-                   lambda m: tn.ToMAPatchModel().patch(m, ratio, run.node_inputs(tn).DEFAULT_WINDOW, run.node_inputs(tn).DEFAULT_REUSE)[0])
+                   lambda m: tn.ToMAPatchModel().patch(m, ratio, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0])
 
 
 def node_default_rotations(tn) -> list[Variant]:
@@ -317,7 +317,7 @@ def sparse_front(tn) -> list[Variant]:
 
     def feed_forward(ratio: float, start: float):
         node = tn.ToMAPatchModelAdvanced()
-        return lambda m: node.patch(m, ratio, WINDOW, run.node_inputs(tn).DEFAULT_REUSE, scope="feed-forward",
+        return lambda m: node.patch(m, ratio, WINDOW, tn.DEFAULT_REUSE, scope="feed-forward",
                                     start_percent=start, rotation="off")[0]
 
     out = [Variant("unpatched", "", lambda m: m)]

@@ -106,7 +106,7 @@ class Variant(run.Variant):
 def node_default(tn, family: str) -> Variant:
     """The basic ToMA node with its default inputs (the kind's preset, nodes/placement.PRESETS)."""
     return Variant(f"ToMA node default (r=auto, {family} preset)",
-                   patch=lambda m: tn.ToMAPatchModel().patch(m, run.node_inputs(tn).DEFAULT_RATIO, run.node_inputs(tn).DEFAULT_WINDOW, run.node_inputs(tn).DEFAULT_REUSE)[0],
+                   patch=lambda m: tn.ToMAPatchModel().patch(m, tn.DEFAULT_RATIO, tn.DEFAULT_WINDOW, tn.DEFAULT_REUSE)[0],
                    count_syncs=True, profiled=True)
 
 

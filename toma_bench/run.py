@@ -17,7 +17,6 @@ On a shared CPU rank by process CPU time, which other jobs do not inflate, and u
 descheduled OpenMP thread stalls the others); on CUDA the wall time is the one that counts.
 """
 import datetime
-import importlib
 import os
 import platform
 import shlex
@@ -50,12 +49,6 @@ class Variant:
     @property
     def label(self) -> str:
         return f"{self.family} {self.setting}".strip()
-
-
-def node_inputs(toma_nodes):
-    """The pack's nodes/inputs.py beside its ``toma_nodes`` module: the nodes' input defaults (DEFAULT_RATIO,
-    DEFAULT_WINDOW, DEFAULT_REUSE: what the basic node runs with)."""
-    return importlib.import_module(".inputs", toma_nodes.__package__)
 
 
 def comfy_tome(model, ratio: float):

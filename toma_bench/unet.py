@@ -90,7 +90,7 @@ def make_job(arch: str, config_name: str, steps: int, device: str) -> Job:
 # -- variants -----------------------------------------------------------------------------------------
 def toma_variant(toma_nodes, ratio, scope="attention", window=None, reuse=None, levels="auto", setting=None):
     window = 4 if window is None else window  # the node's window before "auto" chose one per kind of model
-    reuse = run.node_inputs(toma_nodes).DEFAULT_REUSE if reuse is None else reuse
+    reuse = toma_nodes.DEFAULT_REUSE if reuse is None else reuse
     node = toma_nodes.ToMAPatchModelAdvanced()
     return Variant(f"ToMA {scope}", setting or f"r={ratio:g}",
                    lambda m: node.patch(m, ratio, window, reuse, scope=scope, levels=levels)[0])
