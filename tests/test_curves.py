@@ -243,3 +243,13 @@ def test_fronts_draws_a_panel_per_rows_file_with_three_series(tmp_path):
     assert (tmp_path / "fronts.png").stat().st_size > 1000
     with pytest.raises(SystemExit, match="not wan_720p"):
         fronts.main([f"{path}:wan_720p", "--out", str(tmp_path / "x.png")])
+    # "+": a second run of the same setup joins the panel, its rows shared with the first checked, not repeated
+    more = dict(data, rows=[row("unpatched", "", 1.0, None), row("ToMA node default", "r=auto", 1.48, 22.5),
+                            row("ToMA scope block, rotation on", "r=0.3", 1.29, 27.4)])
+    (tmp_path / "more.json").write_text(json.dumps(more))
+    both, model = fronts.panel(f"{path}+{tmp_path / 'more.json'}:sd35")
+    assert model == "sd35" and [r["setting"] for r in both["rows"]].count("r=auto") == 1
+    assert (2.58, 27.4, "0.3", False) in fronts.series(both, model)["ToMA"]
+    (tmp_path / "other.json").write_text(json.dumps(dict(more, frames=8)))
+    with pytest.raises(ValueError, match="another run setup"):
+        fronts.panel(f"{path}+{tmp_path / 'other.json'}")

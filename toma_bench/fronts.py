@@ -2,10 +2,10 @@
 (``DIR/curves_<arch>_<set>_<side>.json``): a panel per front, PSNR against the modelled GPU speed-up, ToMA,
 DiTo and ToMeSD as three marked series (ToMA's rows with fixed destinations hollow).
 
-    python -m toma_bench.fronts ROWS.json[:MODEL] ... --out FIGURE.png
+    python -m toma_bench.fronts ROWS.json[+MORE.json...][:MODEL] ... --out FIGURE.png
 
-``:MODEL`` picks the speed axis of a run priced on several real-size models (``curves --also-real``); the
-default is the run's own ``--real``.
+``+`` joins the rows of several runs of one proxy setup in a panel; ``:MODEL`` picks the speed axis of a
+run priced on several real-size models (``curves --also-real``); the default is the run's own ``--real``.
 """
 import argparse
 import json
@@ -17,10 +17,32 @@ SERIES = (("ToMA", "ToMA", "o", "C0"), ("DiTo", "DiTo", "s", "C3"), ("ToMeSD", "
 PSNR_TOP = 40.0  # dB: the PSNR axis ends here (a row that merges almost nothing is drawn at the top edge)
 
 
+RUN = ("arch", "side", "frames", "batch", "steps", "hardware", "regime")  # what runs joined in a panel share
+
+
+def joined(paths: list[str]) -> dict:
+    """The rows of several runs of one proxy setup (``RUN``), each label once: a row that two runs share (the
+    unpatched model, the node's default) must agree, as the runs are deterministic."""
+    data = json.loads(Path(paths[0]).read_text())
+    seen = {row["label"]: row for row in data["rows"]}
+    for path in paths[1:]:
+        more = json.loads(Path(path).read_text())
+        if any(more[k] != data[k] for k in RUN) or not set(data["real"]) <= set(more["real"]):
+            raise ValueError(f"{path}: another run setup than {paths[0]}'s")
+        for row in more["rows"]:
+            if row["label"] not in seen:
+                data["rows"].append(row)
+                seen[row["label"]] = row
+            elif row["psnr"] != seen[row["label"]]["psnr"]:
+                raise ValueError(f"{path}: {row['label']} differs from {paths[0]}'s")
+    return data
+
+
 def panel(spec: str) -> tuple[dict, str]:
-    """``ROWS.json[:MODEL]`` -> the rows file's data and the real-size model of its speed axis."""
-    path, _, model = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
-    data = json.loads(Path(path).read_text())
+    """``ROWS.json[+MORE.json...][:MODEL]`` -> the rows (of several runs joined) and the real-size model of
+    the speed axis."""
+    paths, _, model = spec.rpartition(":") if ":" in spec and not Path(spec).exists() else (spec, "", "")
+    data = joined(paths.split("+"))
     model = model or next(iter(data["real"]))
     if model not in data["real"]:
         raise ValueError(f"{spec}: priced on {', '.join(data['real'])}, not {model}")
@@ -91,8 +113,9 @@ def draw(panels: list[tuple[dict, str]], path: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m toma_bench.fronts", description=__doc__.split("\n\n")[0])
-    ap.add_argument("rows", nargs="+", metavar="ROWS.json[:MODEL]",
-                    help="a curves run's rows, a panel each; :MODEL the speed axis of a run priced on several models")
+    ap.add_argument("rows", nargs="+", metavar="ROWS.json[+MORE.json...][:MODEL]",
+                    help="a curves run's rows, a panel each (+: several runs' rows in one panel); :MODEL the speed "
+                         "axis of a run priced on several models")
     ap.add_argument("--out", required=True, help="the figure (.png)")
     args = ap.parse_args(argv)
     try:
