@@ -250,6 +250,8 @@ def test_fronts_draws_a_panel_per_rows_file_with_three_series(tmp_path):
     both, model = fronts.panel(f"{path}+{tmp_path / 'more.json'}:sd35")
     assert model == "sd35" and [r["setting"] for r in both["rows"]].count("r=auto") == 1
     assert (2.58, 27.4, "0.3", False) in fronts.series(both, model)["ToMA"]
+    assert fronts.front([(1.2, 28.0), (1.3, 25.5), (1.5, 24.2), (2.5, 18.7), (2.5, 21.1), (1.4, 20.0)]) == [
+        (1.2, 28.0), (1.3, 25.5), (1.5, 24.2), (2.5, 21.1)]  # ToMA's line: no point faster and closer beside it
     (tmp_path / "other.json").write_text(json.dumps(dict(more, frames=8)))
     with pytest.raises(ValueError, match="another run setup"):
         fronts.panel(f"{path}+{tmp_path / 'other.json'}")

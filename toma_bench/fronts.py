@@ -55,9 +55,28 @@ def is_fixed(family: str) -> bool:
     return family.startswith("ToMA") and "node default" not in family and "rotation on" not in family
 
 
+SCOPES = {"scope block": "blocks", "scope keys/values": "KV"}  # a ToMA row's scope, named where a panel has several
+
+
+def scope_of(family: str) -> str | None:
+    return next((short for words, short in SCOPES.items() if words in family), None)
+
+
+def front(points: list) -> list:
+    """The points no other point beats on both axes (faster and closer), by speed-up."""
+    best, out = -float("inf"), []
+    for point in sorted(points, reverse=True):
+        if point[1] > best:
+            out.append(point)
+            best = point[1]
+    return out[::-1]
+
+
 def series(data: dict, model: str) -> dict:
-    """name -> [(speed-up, PSNR, ratio text, fixed), ...] by speed-up; rows of no series (unpatched) left out."""
+    """name -> [(speed-up, PSNR, ratio text, fixed), ...] by speed-up; rows of no series (unpatched) left out.
+    The ratio text names the scope of a ToMA row where the panel's ToMA rows have several."""
     out = {name: [] for name, *_ in SERIES}
+    several = len({scope_of(row["family"]) for row in data["rows"]} - {None}) > 1
     for row in data["rows"]:
         name = next((n for n, prefix, *_ in SERIES if row["family"].startswith(prefix)), None)
         speed = row["speed_up"].get(model)
@@ -65,6 +84,8 @@ def series(data: dict, model: str) -> dict:
             continue
         psnr = PSNR_TOP if row["psnr"] is None else min(row["psnr"], PSNR_TOP)
         ratio = row["setting"].split("=")[-1].replace("auto", "default")
+        if several and name == "ToMA" and scope_of(row["family"]):
+            ratio += f" {scope_of(row['family'])}"
         out[name].append((speed, psnr, ratio, is_fixed(row["family"])))
     return {name: sorted(points) for name, points in out.items()}
 
@@ -83,15 +104,21 @@ def draw(panels: list[tuple[dict, str]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
-    for ax, (data, model) in zip(axes[0], panels):
+    cols = min(2, len(panels))  # two panels a row
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    for ax, (data, model) in zip(axes.flat, panels):
         for (name, _, marker, colour) in SERIES:
             points = series(data, model)[name]
             if not points:
                 continue
             rotating = [p for p in points if not p[3]]
-            ax.plot([p[0] for p in rotating], [p[1] for p in rotating], color=colour, lw=1, marker=marker, ms=5,
-                    label=name + (", destinations rotating" if name == "ToMA" else ""))
+            line = front(rotating) if name == "ToMA" else rotating  # ToMA's settings: the line joins its front
+            ax.plot([p[0] for p in line], [p[1] for p in line], color=colour, lw=1, marker=marker, ms=5,
+                    label=name + (", destinations rotating (line: its front)" if name == "ToMA" else ""))
+            ax.plot([p[0] for p in rotating], [p[1] for p in rotating], ls="none", marker=marker, ms=5, color=colour)
             fixed = [p for p in points if p[3]]
             if fixed:
                 ax.plot([p[0] for p in fixed], [p[1] for p in fixed], ls="none", marker=marker, ms=6, mfc="none",
