@@ -1,5 +1,6 @@
 """``python -m toma_bench.curves``: its metric, its variant sets and a whole run on a tiny proxy in the
 ComfyUI under test (a subprocess: the benchmark imports ComfyUI with its own settings)."""
+import json
 import math
 import os
 import re
@@ -191,3 +192,66 @@ def test_cli_prices_regimes_and_runs_chosen_variants(capsys):
     with pytest.raises(SystemExit):
         curves.parse_args(["--regimes", "eager,jit"])
     assert "--regimes" in capsys.readouterr().err
+
+
+def test_cli_joins_settings_to_a_named_set_and_prices_more_models(capsys):
+    """--setting with --set named: both sets of rows (--variants picks the set's); --also-real: more speed axes."""
+    args = curves.parse_args(["--arch", "flux32", "--setting", "ratio=0.45,scope=block,rotation=on", "--set", "front",
+                              "--variants", "DiTo r=;ToMeSD", "--also-real", "sd35"])
+    assert (args.set, args.also_real) == ("front", ["sd35"])
+    line = curves.command_line(args)
+    assert "--setting ratio=0.45,scope=block,rotation=on --set front " in line and "--also-real sd35" in line
+    alone = curves.parse_args(["--arch", "flux32", "--setting", "ratio=0.5"])
+    assert alone.set is None and " --set " not in curves.command_line(alone)
+    assert curves.parse_args(["--arch", "flux32"]).set == "methods"
+    with pytest.raises(SystemExit):
+        curves.parse_args(["--arch", "flux32", "--also-real", "sd35,nope"])
+    assert "--also-real" in capsys.readouterr().err
+
+
+def test_settings_rows_come_first_then_the_sets_picked_rows(pack):
+    tn = pack.nodes.toma_nodes
+    args = curves.parse_args(["--arch", "flux32", "--setting", "ratio=0.45,scope=block,rotation=on", "--set", "front",
+                              "--variants", "DiTo r=;ToMeSD"])
+    labels = [v.label for v in curves.variants_of(tn, args)]
+    assert labels == ["unpatched", "ToMA node default r=auto", "ToMA scope block, rotation on r=0.45"] + [
+        f"DiTo r={r:g}" for r in curves.RATIOS] + ["ToMeSD (DiT blocks) r=0.5", "ToMeSD (DiT blocks) r=0.75"]
+    args = curves.parse_args(["--arch", "flux32", "--setting", "ratio=0.45", "--setting", "ratio=0.5,scope=block",
+                              "--variants", "block"])
+    assert [v.label for v in curves.variants_of(tn, args)] == ["unpatched", "ToMA scope block r=0.5"]
+
+
+def test_fronts_draws_a_panel_per_rows_file_with_three_series(tmp_path):
+    from toma_bench import fronts
+
+    def row(family, setting, speed, psnr):
+        return {"label": f"{family} {setting}", "family": family, "setting": setting,
+                "speed_up": {"flux": speed, "sd35": speed * 2}, "psnr": psnr}
+
+    data = {"arch": "flux32", "side": 128, "frames": None, "batch": 4, "steps": 20, "hardware": "h200",
+            "regime": "eager", "real": {"flux": "FLUX.1-dev 1024x1024 (...)", "sd35": "SD3.5 Large 1024x1024 (...)"},
+            "rows": [row("unpatched", "", 1.0, None), row("ToMA node default", "r=auto", 1.48, 22.5),
+                     row("ToMA scope block", "r=0.5", 1.48, 22.0), row("ToMA scope block, rotation on", "r=0.4", 1.35, 25.9),
+                     row("DiTo", "r=0.5", 1.24, 14.2), row("ToMeSD (DiT blocks)", "r=0.5", 0.89, 18.7)]}
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(data))
+    points = fronts.series(data, "sd35")
+    assert points["ToMA"] == [(2.7, 25.9, "0.4", False), (2.96, 22.0, "0.5", True), (2.96, 22.5, "default", False)]
+    assert points["DiTo"] == [(2.48, 14.2, "0.5", False)] and len(points["ToMeSD"]) == 1
+    assert "the same pictures" in fronts.title(data, "sd35") and "64x64 tokens, 4 pictures" in fronts.title(data, "flux")
+    fronts.main([str(path), f"{path}:sd35", "--out", str(tmp_path / "fronts.png")])
+    assert (tmp_path / "fronts.png").stat().st_size > 1000
+    with pytest.raises(SystemExit, match="not wan_720p"):
+        fronts.main([f"{path}:wan_720p", "--out", str(tmp_path / "x.png")])
+    # "+": a second run of the same setup joins the panel, its rows shared with the first checked, not repeated
+    more = dict(data, rows=[row("unpatched", "", 1.0, None), row("ToMA node default", "r=auto", 1.48, 22.5),
+                            row("ToMA scope block, rotation on", "r=0.3", 1.29, 27.4)])
+    (tmp_path / "more.json").write_text(json.dumps(more))
+    both, model = fronts.panel(f"{path}+{tmp_path / 'more.json'}:sd35")
+    assert model == "sd35" and [r["setting"] for r in both["rows"]].count("r=auto") == 1
+    assert (2.58, 27.4, "0.3", False) in fronts.series(both, model)["ToMA"]
+    assert fronts.front([(1.2, 28.0), (1.3, 25.5), (1.5, 24.2), (2.5, 18.7), (2.5, 21.1), (1.4, 20.0)]) == [
+        (1.2, 28.0), (1.3, 25.5), (1.5, 24.2), (2.5, 21.1)]  # ToMA's line: no point faster and closer beside it
+    (tmp_path / "other.json").write_text(json.dumps(dict(more, frames=8)))
+    with pytest.raises(ValueError, match="another run setup"):
+        fronts.panel(f"{path}+{tmp_path / 'other.json'}")

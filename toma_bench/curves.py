@@ -38,14 +38,19 @@ placements and fidelity fixes against the baselines; ``front`` (DiTs) the settin
 default; ``fewsteps`` (DiTs) start and reuse for few-step runs; ``sparse`` (video proxies, in a ComfyUI with
 the protocol of core's Model Sparse Attention node: v0.33.0) that node's stand-in alone over tau and stacked
 with ToMA at scope feed-forward (``sparse_front``). On wan, ``--batch`` counts clips.
+``--setting`` rows (the Advanced node's inputs by name) replace the set's, or join them where ``--set`` is named
+too (``--variants`` then picks among the set's). ``--also-real`` prices the same rows on more real-size models:
+a table each, the pictures (and PSNR) the same run's.
 Output: a table, a plot (``<out>/curves_<arch>_<set>_<side>.png``: CPU-time speed-up vs PSNR and vs SSIM, a
-line per method) and a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``).
+line per method), a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png``) and the rows as JSON
+(``<out>/curves_<arch>_<set>_<side>.json``, which ``toma_bench.fronts`` plots).
 """
 import argparse
+import dataclasses
 import importlib
+import json
 import logging
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -117,7 +122,7 @@ def tomesd_on_dits_strategy(core):
     runtime and merge map know): ``tomesd_plan`` on each merged block's input, its plan as DiTo's (which gives
     a DiT adapter the positions of the merged tokens); a video's frames stacked as rows, as DiTo's."""
 
-    @dataclass(frozen=True)
+    @dataclasses.dataclass(frozen=True)
     class ToMeSDOnDiTs(core.ToMeSD):
         patches_dits = True
 
@@ -404,7 +409,7 @@ def dit_methods(tn) -> list[Variant]:
 
 
 # -- measuring ----------------------------------------------------------------------------------------
-@dataclass
+@dataclasses.dataclass
 class Run:
     latent: torch.Tensor
     wall: float
@@ -418,7 +423,7 @@ def sample_once(model, args) -> Run:
     return Run(latent.float(), wall, cpu)
 
 
-@dataclass
+@dataclasses.dataclass
 class Row:
     variant: Variant
     cpu: float  # median process CPU seconds of a run
@@ -475,10 +480,11 @@ def merge_count(row: Row) -> int | None:
     return round(row.removed * costmodel.UNET_LEVEL_TOKENS)
 
 
-def gpu_clock(rows: list[Row], pack, args, progress=print) -> None:
+def gpu_clock(rows: list[Row], pack, args, progress=print, real: str | None = None) -> None:
     """Fill each row's modelled GPU speed-up and FLOPs saved: the cost model records the real-size model
-    of the proxy's family patched with the same setting, for as many steps as the proxy runs."""
-    spec = costmodel.SPECS[args.real]
+    of the proxy's family (``real``: another costmodel row; default ``--real``) patched with the same setting,
+    for as many steps as the proxy runs."""
+    spec = costmodel.SPECS[real or args.real]
     recorded = costmodel.record_model(spec, pack, args.steps,
                                       [costmodel.Variant(r.variant.label, patch=r.variant.patch, meta_scalar=merge_count(r)) for r in rows],
                                       progress=progress, traced=any(REGIMES[r].traced for r in args.regimes))
@@ -569,13 +575,14 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.curves", description=__doc__.split("\n\n")[0])
     # pictures only: the wan proxy samples clips
     ap.add_argument("--arch", choices=list(proxy.SPECS), default="sd15", help="which trained proxy (default sd15)")
-    ap.add_argument("--set", choices=["methods", "toma", "placements", "front", "fewsteps", "sparse"], default="methods",
-                    help="methods: every method's knob swept; toma: ToMA's settings around its defaults; "
+    ap.add_argument("--set", choices=["methods", "toma", "placements", "front", "fewsteps", "sparse"], default=None,
+                    help="methods (the default): every method's knob swept; toma: ToMA's settings around its defaults; "
                          "placements (UNet proxies): ToMA's placements and fidelity fixes against the baselines; "
                          "front (DiT proxies): the settings around the DiT default; fewsteps (DiT proxies): "
                          "start and reuse for few-step runs (use with --steps 8); sparse (video proxies, a ComfyUI "
                          "with the sparse node's protocol: v0.33.0): core's sparse attention alone and stacked with "
-                         "ToMA (toma_bench.sparse_attention)")
+                         "ToMA (toma_bench.sparse_attention); with --setting, its rows join the settings' (--variants then picks among "
+                         "the set's rows)")
     ap.add_argument("--hardware", default="h200",
                     help="the cost model's GPU profile for the speed axis (toma_bench.gpuclock; default h200); "
                          "'cpu': no cost model, the process CPU time is the axis")
@@ -590,10 +597,14 @@ def parse_args(argv):
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE,...",
                     help="a ToMA row of the Advanced node's inputs, e.g. ratio=0.75,scope=block,start_percent=0.3 "
                          "(repeatable; window 4, scope attention and rotation off unless named); with --setting the rows are "
-                         "the unpatched model, the basic node at its defaults and these, and --set is ignored")
+                         "the unpatched model, the basic node at its defaults and these, then the rows of --set where "
+                         "one is named")
     ap.add_argument("--real", choices=list(costmodel.SPECS), default=None,
                     help="the real-size model of the speed axis (default: the proxy's family, "
                          + ", ".join(f"{a} {m}" for a, m in REAL_SIZE.items()) + ")")
+    ap.add_argument("--also-real", default="", metavar="MODEL,...",
+                    help="comma list of more real-size models (toma_bench.costmodel.SPECS) to price the same rows "
+                         "on: a table each after the first, the same run's pictures (and PSNR) on another speed axis")
     ap.add_argument("--batch", type=int, default=4, help="pictures per run (default 4)")
     ap.add_argument("--steps", type=int, default=20, help="euler steps per run (default 20)")
     run.common_arguments(ap, devices=None, repeats_default=5,
@@ -628,6 +639,11 @@ def parse_args(argv):
     if not args.regimes or any(r not in REGIMES for r in args.regimes):
         ap.error(f"--regimes: comma list of {', '.join(REGIMES)}, got {','.join(args.regimes) or 'none'}")
     args.variants = [v.strip() for v in args.variants.split(";") if v.strip()] if args.variants else None
+    args.also_real = [m.strip() for m in args.also_real.split(",") if m.strip()]
+    if any(m not in costmodel.SPECS for m in args.also_real):
+        ap.error(f"--also-real: comma list of {', '.join(costmodel.SPECS)}, got {','.join(args.also_real)}")
+    if args.set is None and not args.setting:
+        args.set = "methods"
     return args
 
 
@@ -635,12 +651,59 @@ def command_line(args) -> str:
     """The command that reproduces this run's numbers (every option that changes them)."""
     real = "" if args.real == REAL_SIZE[args.arch] else f" --real {args.real}"
     regimes = "" if args.regimes == ["eager"] else f" --regimes {','.join(args.regimes)}"
+    also = f" --also-real {','.join(args.also_real)}" if args.also_real else ""
     variants = f" --variants '{';'.join(args.variants)}'" if args.variants else ""
     frames = "" if args.frames is None else f" --frames {args.frames}"
-    rows = "".join(f" --setting {v}" for v in args.setting) if args.setting else f" --set {args.set}"
+    rows = "".join(f" --setting {v}" for v in args.setting) + (f" --set {args.set}" if args.set else "")
     return (f"python -m toma_bench.curves --arch {args.arch}{rows} --side {args.side}{frames} --batch {args.batch} "
             f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --hardware {args.hardware}"
-            f"{regimes}{real}{variants}")
+            f"{regimes}{real}{also}{variants}")
+
+
+def set_rows(tn, args) -> list[Variant]:
+    """The rows of ``--set`` on ``--arch``'s proxy (the unpatched model first)."""
+    kind = proxy.spec_of(args.arch).model_kind
+    if args.set == "toma":
+        return toma_settings(tn, args.arch)
+    if args.set == "front":
+        return dit_front(tn, video=kind == "wan")
+    if args.set == "fewsteps":
+        return few_steps(tn)
+    if args.set == "sparse":
+        return sparse_front(tn)
+    if kind == "wan":
+        return video_methods(tn)
+    if kind == "flux":
+        return dit_methods(tn)
+    if args.arch == "sdxl":
+        return sdxl_placements(tn) if args.set == "placements" else unet_methods(tn, sdxl=True)
+    return placements(tn) if args.set == "placements" else unet_methods(tn)
+
+
+def variants_of(tn, args) -> list[Variant]:
+    """The run's rows: the ``--setting`` rows (with the unpatched model and the basic node's default), then
+    the rows of ``--set``, each picked by ``--variants`` (the set's alone where both are named)."""
+    pick = costmodel.select_variants
+    if not args.setting:
+        return pick(set_rows(tn, args), args.variants)
+    settings = named_settings(tn, args.setting)
+    if not args.set:
+        return pick(settings, args.variants)
+    return settings + pick(set_rows(tn, args), args.variants)[1:]
+
+
+def json_rows(rows: list[Row], args, also: dict) -> dict:
+    """What the plot of several fronts reads (``toma_bench.fronts``): each row's family, setting, modelled
+    speed-up on ``--real`` and on each ``--also-real`` model (``also``: model -> rows), and fidelity."""
+    models = [args.real, *also]
+    return {"command": command_line(args), "arch": args.arch, "side": args.side,
+            "frames": args.frames or proxy.spec_of(args.arch).frames,
+            "batch": args.batch, "steps": args.steps, "hardware": args.hardware, "regime": args.regimes[0],
+            "real": {m: costmodel.SPECS[m].title for m in models},
+            "rows": [{"label": r.variant.label, "family": r.variant.family, "setting": r.variant.setting,
+                      "speed_up": {args.real: r.gpu_speedup, **{m: rows_[i].gpu_speedup for m, rows_ in also.items()}},
+                      "flops_saved": r.flops_saved, "psnr": None if math.isinf(r.psnr) else r.psnr,
+                      "ssim": r.ssim, "latent_rel_l2": r.latent_rel_l2} for i, r in enumerate(rows)]}
 
 
 def main(argv=None) -> None:
@@ -655,26 +718,8 @@ def main(argv=None) -> None:
     path = Path(args.proxy or proxy.PROXY_DIR / spec.file)
     base = proxy.load(path)
     kind = spec.model_kind
-    if args.setting:
-        variants = named_settings(tn, args.setting)
-    elif args.set == "toma":
-        variants = toma_settings(tn, args.arch)
-    elif args.set == "front":
-        variants = dit_front(tn, video=kind == "wan")
-    elif args.set == "fewsteps":
-        variants = few_steps(tn)
-    elif args.set == "sparse":
-        variants = sparse_front(tn)
-    elif kind == "wan":
-        variants = video_methods(tn)
-    elif kind == "flux":
-        variants = dit_methods(tn)
-    elif args.arch == "sdxl":
-        variants = sdxl_placements(tn) if args.set == "placements" else unet_methods(tn, sdxl=True)
-    else:
-        variants = placements(tn) if args.set == "placements" else unet_methods(tn)
     try:
-        variants = costmodel.select_variants(variants, args.variants)
+        variants = variants_of(tn, args)
     except ValueError as e:
         raise SystemExit(str(e))
     frames = args.frames or spec.frames
@@ -697,6 +742,13 @@ def main(argv=None) -> None:
         speed_axis = f"modelled {args.hardware} ({spec_title}, {args.steps} steps, {args.regimes[0]})"
         print(f"\nspeed axis: {speed_axis}; toma_bench.costmodel")
     print(table(rows, args.hardware, tuple(args.regimes)), flush=True)
+    also = {}
+    for model in args.also_real if args.hardware != "cpu" else ():
+        also[model] = [dataclasses.replace(r) for r in rows]
+        gpu_clock(also[model], pack, args, progress=lambda s: print(s, flush=True), real=model)
+        print(f"\nspeed axis: modelled {args.hardware} ({costmodel.SPECS[model].title}, {args.steps} steps, "
+              f"{args.regimes[0]}); toma_bench.costmodel; the same pictures")
+        print(table(also[model], args.hardware, tuple(args.regimes)), flush=True)
     kernels = [(r.variant.label, r.variant.patch.kernel) for r in rows if hasattr(r.variant.patch, "kernel")]
     if kernels:
         print("\nkey blocks the sparse kernel routed exact (mean over its proxy calls; priced at this + "
@@ -704,13 +756,14 @@ def main(argv=None) -> None:
         for label, kernel in kernels:
             print(f"  {label}: {100 * kernel.share():.1f}% over {len(kernel.shares)} calls")
     if args.out:
-        name = "settings" if args.setting else args.set
+        name = "_".join(filter(None, ("settings" if args.setting else "", args.set)))
         stem = Path(args.out) / f"curves_{args.arch}_{name}_{args.side}{'' if args.frames is None else f'x{args.frames}'}"
         plot(rows, stem.with_name(stem.name + ".png"), f"{args.arch} proxy, {args.batch} pictures of latent "
              f"{args.side}x{args.side}, {args.steps} steps, {args.threads} thread(s): {command_line(args)}",
              speed_axis)
         sample_grid(rows, pictures, stem.with_name(stem.name + "_samples.png"), every_row=bool(args.setting))
-        print(f"\nplot: {stem}.png; pictures: {stem}_samples.png")
+        stem.with_name(stem.name + ".json").write_text(json.dumps(json_rows(rows, args, also), indent=1) + "\n")
+        print(f"\nplot: {stem}.png; pictures: {stem}_samples.png; rows: {stem}.json")
 
 
 if __name__ == "__main__":
