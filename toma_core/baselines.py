@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .plan import TokenPlan, check_merged_shape
-from .schedule import StepDecision
+from .schedule import Schedule, StepDecision
 from .selection import random_keys
 
 # CA-ToMe's best configuration (paper Table II, "CONFIG 3"): steps of a 50-step run, counted from 1 as
@@ -172,7 +172,7 @@ def catome_checkpoints(steps: int, config: tuple[int, ...] = CATOME_CONFIG3,
 
 
 @dataclass
-class CheckpointSchedule:
+class CheckpointSchedule(Schedule):
     """When CA-ToMe computes new matches (the checkpoint steps) and reuses them (every other step).
 
     With the run's step count the checkpoints are ``catome_checkpoints``; without it (a host that gives

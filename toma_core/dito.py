@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from .baselines import BipartitePlan, grid_destinations
 from .plan import IdentityPlan
-from .schedule import StepDecision, _check_fraction, _check_interval
+from .schedule import Schedule, StepDecision, check_fraction, check_interval
 
 MATCHING, MATCHED, REDUCING = "matching", "matched", "reducing"
 
@@ -156,7 +156,7 @@ def interval_from_pmr(ratios, threshold: float) -> int:
     """The matching interval from measured Pair Match Ratios: ``ratios[k - 1]`` is the PMR between the
     matching of a step and that of k steps later (k = 1, 2, ...); the interval is the largest k whose PMR
     (and every shorter one's) is at least ``threshold``, plus the matching step itself, at least 2."""
-    _check_fraction("threshold", threshold)
+    check_fraction("threshold", threshold)
     k = 0
     for value in ratios:
         if float(value) < threshold:
@@ -166,7 +166,7 @@ def interval_from_pmr(ratios, threshold: float) -> int:
 
 
 @dataclass
-class MatchingSchedule:
+class MatchingSchedule(Schedule):
     """DiTo's schedule per plan key: inside [start_percent, end_percent) of the schedule, a matching step every
     ``interval`` steps (the key's first step, then every ``interval`` steps after it), reduction steps in
     between. Decisions, as (merge, new destinations, new weights): a key's first matching (True, True, True),
@@ -179,11 +179,11 @@ class MatchingSchedule:
     _last: dict = field(default_factory=dict, repr=False)  # group -> (matching step, reduction plan built)
 
     def __post_init__(self):
-        _check_interval("interval", self.interval)
+        check_interval("interval", self.interval)
         if self.interval < 2:
             raise ValueError(f"interval must be at least 2 (a matching step, then reduction steps), got {self.interval}")
-        _check_fraction("start_percent", self.start_percent)
-        _check_fraction("end_percent", self.end_percent)
+        check_fraction("start_percent", self.start_percent)
+        check_fraction("end_percent", self.end_percent)
         if self.start_percent > self.end_percent:
             raise ValueError(f"start_percent ({self.start_percent}) must not exceed end_percent ({self.end_percent})")
 

@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 
-def _check_fraction(name: str, value: float) -> float:
+def check_fraction(name: str, value: float) -> float:
+    """``value``, a fraction in [0, 1]; else a ValueError naming the input ``name``."""
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
     return float(value)
 
 
-def _check_interval(name: str, value: int) -> int:
+def check_interval(name: str, value: int) -> int:
+    """``value``, an integer >= 1; else a ValueError naming the input ``name``."""
     if int(value) != value or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value}")
     return int(value)
@@ -40,12 +42,12 @@ class ShortRun:
     reuse_interval: int | None = None
 
     def __post_init__(self):
-        _check_interval("steps", self.steps)
+        check_interval("steps", self.steps)
         if self.start_percent is not None:
-            _check_fraction("start_percent", self.start_percent)
-        for name in ("merge_every", "reuse_interval"):
-            if getattr(self, name) is not None:
-                _check_interval(name, getattr(self, name))
+            check_fraction("start_percent", self.start_percent)
+        for name, value in (("merge_every", self.merge_every), ("reuse_interval", self.reuse_interval)):
+            if value is not None:
+                check_interval(name, value)
 
     def in_words(self) -> str:
         """"from 0% of the schedule, on every step, plans reused for at most 1 step"."""
@@ -69,8 +71,29 @@ class Timing:
     weights_interval: int
 
 
+class Schedule:
+    """What every schedule offers the runtime (``decide``, ``reset``, ``forget``, ``is_short``), with the
+    defaults of one whose decisions depend on no earlier one and on no run length."""
+
+    def decide(self, step: int, progress: float, group: Hashable, total: int | None = None) -> StepDecision:
+        """Whether ``group`` merges at ``step`` (``progress``: the fraction of the schedule done; ``total``: the
+        run's steps, None where unknown), and what it rebuilds."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget every group's plan history; called at the start of each sampling run."""
+
+    def forget(self, group: Hashable) -> None:
+        """Forget one group's plan history (its next decision is a new group's)."""
+
+    def is_short(self, total: int | None) -> bool:
+        """Whether a run of ``total`` steps (None: unknown) follows a short-run rule of the schedule (its
+        ``short_run``, where it has one)."""
+        return False
+
+
 @dataclass
-class ReuseSchedule:
+class ReuseSchedule(Schedule):
     """Per block group: merge inside [start_percent, end_percent) of the schedule, on every
     ``merge_every``-th step (steps 0, k, 2k, ...; the others run unmerged, as the official Flux run merges
     every 3rd step); recompute destinations every ``reuse_interval`` steps and the merge weights every
@@ -88,13 +111,13 @@ class ReuseSchedule:
     _last: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        _check_fraction("start_percent", self.start_percent)
-        _check_fraction("end_percent", self.end_percent)
+        check_fraction("start_percent", self.start_percent)
+        check_fraction("end_percent", self.end_percent)
         if self.start_percent > self.end_percent:
             raise ValueError(f"start_percent ({self.start_percent}) must not exceed end_percent ({self.end_percent})")
-        _check_interval("reuse_interval", self.reuse_interval)
-        _check_interval("weights_interval", self.weights_interval)
-        _check_interval("merge_every", self.merge_every)
+        check_interval("reuse_interval", self.reuse_interval)
+        check_interval("weights_interval", self.weights_interval)
+        check_interval("merge_every", self.merge_every)
 
     def reset(self) -> None:
         """Forget every group's plan history; called at the start of each sampling run."""
@@ -138,14 +161,9 @@ class ReuseSchedule:
         return StepDecision(True, False, False)
 
 
-class EveryCall:
-    """ToMeSD's schedule: merge in every block call, with a new plan each time."""
-
-    def reset(self) -> None:
-        """Nothing to forget: no decision depends on an earlier one."""
-
-    def forget(self, group: Hashable) -> None:
-        """Nothing to forget."""
+class EveryCall(Schedule):
+    """ToMeSD's schedule: merge in every block call, with a new plan each time (nothing to reset or forget: no
+    decision depends on an earlier one)."""
 
     def decide(self, step: int, progress: float, group: Hashable, total: int | None = None) -> StepDecision:
         return StepDecision(True, True, True)

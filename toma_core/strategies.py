@@ -1,5 +1,5 @@
-"""The four merge methods behind one small protocol: how a plan is built (``build``) and when
-(``schedule``, a ``decide``/``reset`` object from ``schedule`` or ``baselines``).
+"""The four merge methods behind one small protocol (``Strategy``): how a plan is built (``build``) and when
+(``schedule``, a ``schedule.Schedule``).
 
     build(features (B, N, C), grid (h, w) or (frames, h, w), generator, destinations=None) -> plan
 
@@ -28,13 +28,43 @@ import torch
 from .baselines import CheckpointSchedule, catome_plan, tomesd_plan
 from .dito import MatchingSchedule, dito_plan, raster_rows
 from .plan import DEFAULT_TAU, plan_tiles
-from .schedule import EveryCall, ReuseSchedule
+from .schedule import EveryCall, ReuseSchedule, Schedule
 from .selection import EXACT_GREEDY_MAX_TILE
 from .tiles import token_grid
 
 
+class Strategy:
+    """What every merge method offers the runtime and the nodes, with the defaults of a method that does not
+    say otherwise; a method is a frozen dataclass of its inputs that subclasses it and sets what differs.
+
+    name: in messages and the stats. schedule: when it merges and rebuilds (a ``schedule.Schedule``). seed:
+    of the run's generator. patches_unets, patches_dits: the kinds of model it merges (the others come back
+    unpatched, with a message). draws_seed: its builds take a ``seed`` tensor (the module docstring), not
+    the generator. under_compile: what it does otherwise under torch.compile, said once where the model is
+    compiled (None: nothing). stops_where_host_paced: merging stops for a run whose pace the host sets
+    (nodes/runtime/pace.py: ToMA; the baselines run as published)."""
+
+    name: str
+    schedule: Schedule
+    seed: int
+    patches_unets = True
+    patches_dits = True
+    draws_seed = False
+    under_compile: str | None = None
+    stops_where_host_paced = False
+
+    def build(self, features: torch.Tensor, grid, generator=None, destinations=None, **drawn):
+        """A plan for ``features`` (B, N, C) on ``grid`` (the module docstring)."""
+        raise NotImplementedError
+
+    def merges_nothing(self, grid) -> str | None:
+        """Why the inputs leave nothing to merge on ``grid``, said once in the log and the stats (None: plans
+        may merge)."""
+        return None
+
+
 @dataclass(frozen=True)
-class ToMA:
+class ToMA(Strategy):
     """ToMA: destinations by facility location in local windows, soft merge weights, reused across steps
     as ``schedule`` says. A window is ``window_size`` tokens square and, on a video grid,
     ``temporal_window`` frames deep (1: each frame apart, as on images)."""
@@ -50,7 +80,7 @@ class ToMA:
     # plan key's earlier builds in the run is less likely to be one again (plan_tiles)
     rotation: float = 0.0
     name = "ToMA"
-    patches_dits = True
+    stops_where_host_paced = True
 
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None, seed=None, chosen=None):
         return plan_tiles(features, grid, self.window_size, self.ratio, self.tau, self.exact,
@@ -84,7 +114,7 @@ class ToMA:
 
 
 @dataclass(frozen=True)
-class ToMeSD:
+class ToMeSD(Strategy):
     """ToMeSD: a fresh bipartite matching in every merged block call, as the tomesd package does, each with
     new random cells: hashed from the stream of the model call's seed that the build is given (``seed``,
     drawn from the run's generator before the call: a block call under torch.compile cannot draw)."""
@@ -101,12 +131,9 @@ class ToMeSD:
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None, seed=None):
         return tomesd_plan(features, grid, self.ratio, self.sx, self.sy, generator=generator, seed=seed)
 
-    def merges_nothing(self, grid) -> None:
-        return None
-
 
 @dataclass(frozen=True)
-class CAToMe:
+class CAToMe(Strategy):
     """CA-ToMe: per block, threshold matching computed at the checkpoint steps, reused in between."""
 
     threshold: float
@@ -124,12 +151,9 @@ class CAToMe:
     def build(self, features: torch.Tensor, grid, generator=None, destinations=None):
         return catome_plan(features, grid, self.threshold, self.sx, self.sy, generator=generator)
 
-    def merges_nothing(self, grid) -> None:
-        return None
-
 
 @dataclass(frozen=True)
-class DiTo:
+class DiTo(Strategy):
     """DiTo, after arXiv 2605.22011 (``toma_core.dito``, with its assumptions): each block matches on its own
     output at a matching step (run unmerged) and merges by that matching over the reduction steps after it,
     with a penalty on sources merged at earlier matchings. Per block (each block's own output), DiTs only;
@@ -142,7 +166,6 @@ class DiTo:
     seed: int = 0
     schedule: MatchingSchedule = field(default_factory=MatchingSchedule)
     name = "DiTo"
-    patches_dits = True
     patches_unets = False
     draws_seed = True
 

@@ -358,7 +358,7 @@ def forward_before_ours(m, key):
 def patch(model, runtime: MergeRuntime, where: placement.Placement):
     """The patched clone of ``model`` (a ComfyUI ModelPatcher), merging at ``where``'s levels (a
     LEVEL_CHOICES string or a set of downsample factors) with its scope."""
-    if not getattr(runtime.strategy, "patches_unets", True):
+    if not runtime.strategy.patches_unets:
         log.warning("ToMA: %s is for DiTs and does not patch UNets; %s (%s) returned unpatched (use the ToMA node on "
                     "UNets)", runtime.name, type(model.model).__name__, name)
         return model
