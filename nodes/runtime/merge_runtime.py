@@ -1,8 +1,10 @@
-"""Per-patched-model state while sampling: the run, the plan cache, the stats.
+"""Per-patched-model state while sampling: the run, the host's wrappers around it, the stats.
 
-The runtime is the only owner of run boundaries and of the plan cache; the strategy
-(``toma_core.strategies``) builds plans, and its schedule says when. ``plan()`` is the one place that
-composes them: locate the call (``StepLocator``) -> decide (the schedule) -> cache -> build -> record.
+The runtime is the only owner of run boundaries; its plan store (``plans.PlanStore``) holds the plan cache,
+the schedule's decisions and rotation's counts; the strategy (``toma_core.strategies``) builds plans, and its
+schedule says when. ``plan()`` is the one place that composes them: locate the call (``StepLocator``) ->
+decide (the schedule, through the store) -> cache -> build -> record. A model call's state is a ``ModelCall``
+(``model_call``).
 
 One ``MergeRuntime`` lives in the options of one patched MODEL (see ``registry``). It never holds on to
 anything across sampling runs: the run-start hook the adapter installs (``install_run_hooks``) calls
@@ -16,63 +18,21 @@ import time
 
 import torch
 
-from ...toma_core.selection import draw_seed, seed_stream
 from ..host import sparse_attention_min_tokens
-from .levels import Level, LeftTo, LevelStats, PlanKey, RunReport, batch_key, grid_in_words
-from .pace import ENV, REASON, HostPace
-from .records import record_plan
+from .levels import Level, LeftTo, LevelStats, RunReport, batch_key, grid_in_words
+from .model_call import ModelCall, compiled_model
+from .pace import HostPace
+from .plans import PlanStore
+from .records import keep_record
 from .stages import StageClock
 from .steps import StepLocator, Where
 
 log = logging.getLogger("ComfyUI-ToMA")
-FRESH = "a plan key not seen yet"  # the schedule's group for the decision a new key gets
-NO_MERGE = (False, False, False)  # a decision (merge, new destinations, new weights) that runs a block unmerged
-
-
-class ModelCall:
-    """What the runtime settled for one model call before the model runs (``MergeRuntime.begin_call``),
-    and what the call merged, applied to the run's stats after it (``MergeRuntime.end_call``).
-
-    Under torch.compile the block calls are traced: everything they read from here becomes a guard of the
-    graph, so they read only ``decisions`` (a few distinct values over a run: one graph per merge path)
-    and never the step, which changes every call; what they write (``merged``, ``built``, ``decisions``)
-    is replayed after the graph. The call's random seed (``seed``) is drawn here too, for the same reason:
-    a generator cannot be used in traced code, a seed tensor is a graph input like any other. So are the
-    counts of rotating destinations (``chosen``): the earlier builds' counts, handed in as tensors, so that a
-    rebuild traces no new graph; the updated counts of the plans built (``counted``) are kept after the call."""
-
-    def __init__(self, where: Where, decisions: dict, fresh: tuple[bool, bool, bool], seed: torch.Tensor | None,
-                 chosen: dict | None = None, device: torch.device | None = None):
-        self.where = where  # host side only: never read in a block call
-        self.device = device  # where the call's tensors are (host side only)
-        self.decisions = decisions  # PlanKey -> (merge, new destinations, new weights)
-        self.fresh = fresh  # the decision of a plan key this run has not seen yet
-        self.seed = seed  # int64 scalar from the run's generator, for a strategy that draws_seed
-        self.chosen = {} if chosen is None else chosen  # counts key -> (B, T, S) counts of the earlier builds
-        self.counted: dict = {}  # counts key -> the counts of the plan built in this call (MergePlan.chosen)
-        self.compiled = False  # whether the diffusion model runs under torch.compile (compiled_model)
-        self.seeds_taken = 0  # plans built from it in this call: each takes the next stream of it
-        self.first_seen: list = []  # such keys, handed to the schedule after the call
-        self.merged: dict = {}  # Level -> merged tokens of the plans used in this call
-        self.built: list = []  # (Level, plan) built in this call, for the merge map
-        self.shared: dict = {}  # (Level, rows) -> destinations a level's first block chose in this call
-        self.unmerged: dict = {}  # reason -> block calls of this call run unmerged (MergeRuntime.unmerged)
-        self.notices: dict = {}  # reason -> (message, args) of its first block call here, logged after the call
-
-
-def compiled_model(apply_model, transformer_options) -> bool:
-    """Whether the diffusion model behind ``apply_model`` (an APPLY_MODEL wrapper's executor, or the bound
-    ``BaseModel.apply_model``) runs under torch.compile: current ComfyUI's TorchCompileModel swaps the
-    compiled module in from an APPLY_MODEL wrapper keyed "torch.compile"; older trees object-patch
-    ``diffusion_model`` with it (a compiled module keeps the original as ``_orig_mod``)."""
-    if "torch.compile" in transformer_options.get("wrappers", {}).get("apply_model", {}):
-        return True
-    base_model = getattr(apply_model, "class_obj", None) or getattr(apply_model, "__self__", None)
-    return hasattr(getattr(base_model, "diffusion_model", None), "_orig_mod")
 
 
 class MergeRuntime:
-    """Step location, plan cache and stats for one patched model."""
+    """The run, the host's wrappers around it and its stats, for one patched model; its plans are in
+    ``plans`` (a PlanStore)."""
 
     def __init__(self, strategy, model_sampling, placement, pace: HostPace | None = None):
         self.strategy = strategy
@@ -92,20 +52,9 @@ class MergeRuntime:
         self.sparse_min_tokens: int | None = None
         # (MODEL being sampled) -> why it merges nothing, or None: asked at each run's start, said as a caveat
         self.run_checks: list = []
-        self._plans: dict[PlanKey, object] = {}
-        self._shared: dict = {}  # (level, rows) -> the destinations a level's blocks share, chosen last
-        # rotating destinations (the strategy's rotation), on the device, by counts key (a PlanKey, or (level,
-        # rows) where a level shares destinations): how often each window slot was a destination this run; the
-        # last build's destinations as 0/1; the destinations kept from the previous build of their key, and
-        # all rebuilt, summed (read at report time)
-        self._chosen: dict = {}
-        self._last_chosen: dict = {}
-        self._kept: torch.Tensor | None = None
-        self._generators: dict = {}  # device -> the run's generator, advanced by every plan built
-        self._keys: list[PlanKey] = []  # plan keys seen this run, in order: each call decides them first
+        self.plans = PlanStore(strategy, placement)  # the plan cache, the reuse decisions, rotation's counts
         self._call: ModelCall | None = None  # the model call running now, where a host hook announced it
         self._loose = None  # (sigma tensor, ModelCall) of a call no host hook announced
-        self._failed: set[PlanKey] = set()
         self._levels: dict[Level, LevelStats] = {}
         self._idle: set[str] = set()  # why this run merges nothing (strategy.merges_nothing)
         self._left_to: dict[Level, LeftTo] = {}  # levels another node took (leave)
@@ -159,16 +108,15 @@ class MergeRuntime:
     # -- run boundaries -------------------------------------------------------------------------
     def begin_run(self, schedule=None, model_sampling=None):
         """A clean slate for a sampling run (``StepLocator.begin`` says what the arguments are)."""
-        for cache in (self._plans, self._shared, self._generators, self._failed, self._levels, self._idle,
-                      self._left_to, self._unmerged, self._keys, self._chosen, self._last_chosen):
+        for cache in (self._levels, self._idle, self._left_to, self._unmerged):
             cache.clear()
-        self._call = self._loose = self._kept = None
+        self.plans.clear()
+        self._call = self._loose = None
         self.stages.reset()
-        self.strategy.schedule.reset()
         if self.pace is not None:
             self.pace.reset()
         self.steps.begin(schedule, model_sampling)
-        self._short_run = self.short_run_in_words(self.steps.total)
+        self._short_run = self.plans.short_run(self.steps.total)
         if self._short_run is not None:
             self.notice("%s", self._short_run)
         self._in_run = True
@@ -240,18 +188,9 @@ class MergeRuntime:
         if self.steps.total is not None:
             return
         self.steps.tell_total(total)
-        self._short_run = self.short_run_in_words(total)
+        self._short_run = self.plans.short_run(total)
         if self._short_run is not None:
             self.notice("%s", self._short_run)
-
-    def short_run_in_words(self, total: int | None) -> str | None:
-        """How the strategy's schedule adapts to a run of ``total`` steps (its ``short_run``), in words;
-        None where it does not."""
-        schedule = self.strategy.schedule
-        if not getattr(schedule, "is_short", lambda total: False)(total):
-            return None
-        return (f"a {total}-step run (at most {schedule.short_run.steps}) merges "
-                f"{schedule.short_run.in_words()}")
 
     def locate(self, transformer_options) -> Where | None:
         """Where the current model call is in its run, from the sampler's sigmas (a call outside any
@@ -280,9 +219,8 @@ class MergeRuntime:
         call = None if options is None else self.begin_call(options, getattr(x, "shape", (None,))[0])
         if call is not None:
             call.compiled = compiled_model(apply_model, options)
-        under_compile = getattr(self.strategy, "under_compile", None)
-        if call is not None and under_compile and call.compiled:
-            self.caveat(f"under torch.compile {under_compile}")
+        if call is not None and self.strategy.under_compile and call.compiled:
+            self.caveat(f"under torch.compile {self.strategy.under_compile}")
         return self.run_call(call, apply_model, *args, **kwargs)
 
     @property
@@ -328,43 +266,14 @@ class MergeRuntime:
         step (kijai's WanVideoSampler), as for calls located by their sigmas."""
         self._unreported = True
         self.stages.use(device)
-        paced = self.paced_by_host()  # the rest of the run runs unmerged: no plan is built or used, no seed drawn
-        generator = self.generator(device)  # made here: a generator cannot be made (nor used) in traced code
-        seed = draw_seed(generator).to(device) if getattr(self.strategy, "draws_seed", False) and not paced else None
-        decisions = {}
-        for key in self._keys:
-            if key.rows == (batch, layout) and key not in self._failed:
-                decisions[key] = NO_MERGE if paced else self.decide(where, key)
-        fresh = NO_MERGE if paced else self.decide(where, FRESH)
-        self.strategy.schedule.forget(FRESH)
-        chosen = {key: counts for key, counts in self._chosen.items() if key[-1] == (batch, layout)}
-        return ModelCall(where, decisions, fresh, seed, chosen, device)
-
-    def paced_by_host(self) -> bool:
-        """Whether the host sets this run's pace, so the model call beginning now runs unmerged: the previous
-        merged call judged (``HostPace.judge``, no wait), and the rule's stop said once in the log."""
-        if self.pace is None:
-            return False
-        if self.pace.judge():
-            self.notice("%s runs the rest of the run unmerged: %s (the GPU waited for the host's kernels in the "
-                        "first %d model calls that merged, so merging would only add kernels); %s=off keeps merging",
-                        self.name, REASON, self.pace.stopped_after, ENV, key=("unmerged", REASON))
-        if self.pace.stopped:
-            self._unreported = True
-            self.pace.unmerged_calls += 1
-        return self.pace.stopped
-
-    def decide(self, where: Where, key: PlanKey) -> tuple[bool, bool, bool]:
-        """The schedule's decision for ``key`` at ``where``, as (merge, new destinations, new weights)."""
-        d = self.strategy.schedule.decide(where.step, where.progress, key, where.total)
-        return d.merge, d.new_destinations, d.new_weights
+        # where the host sets the run's pace, the rest of the run runs unmerged: no plan is built or used
+        paced = self.pace is not None and self.pace.stops(self.notice, self.name)
+        return self.plans.call(where, device, batch, layout, paced)
 
     def end_call(self, call: ModelCall) -> None:
-        """What a model call merged, into the run's stats and the merge map's records; the plan keys it
-        saw first, to the schedule (decided as they were in the call: as new groups)."""
-        for key in call.first_seen:
-            self.decide(call.where, key)
-            self._keys.append(key)
+        """What a model call merged, into the run's stats and the merge map's records; what it leaves the plan
+        store (``PlanStore.after_call``: the keys it saw first, the rotation counts of its builds)."""
+        self.plans.after_call(call)
         for reason, count in call.unmerged.items():
             self._unmerged[reason] = self._unmerged.get(reason, 0) + count
         for reason, (message, args) in call.notices.items():
@@ -374,23 +283,10 @@ class MergeRuntime:
             stats.tokens, stats.merged_tokens = level.tokens, merged
             stats.steps.add(call.where.step)
         for level, plan in call.built:
-            self.record(level, call.where.step, plan)
-        for key, counts in call.counted.items():
-            self.count_rotation(key, counts)
+            keep_record(self._levels.setdefault(level, LevelStats()).records, level, call.where.step, plan,
+                        self.strategy, self.plans.rotation)
         call.merged, call.built, call.first_seen, call.unmerged, call.notices = {}, [], [], {}, {}
         call.counted = {}
-
-    def count_rotation(self, key, counts: torch.Tensor) -> None:
-        """Keep the counts of rotating destinations a plan of counts key ``key`` was built with, for the key's
-        next build, and add to the run's sums the destinations it kept from the key's previous build: a few
-        kernels after the model call, on the device (read only by ``report``)."""
-        previous = self._chosen.get(key)
-        chosen = counts if previous is None else counts - previous  # this build's destinations, 0/1
-        last = self._last_chosen.get(key)
-        if last is not None:
-            kept = torch.stack([(chosen * last).sum(), chosen.sum()])
-            self._kept = kept if self._kept is None else self._kept + kept
-        self._chosen[key], self._last_chosen[key] = counts, chosen
 
     def _loose_call(self, transformer_options) -> ModelCall | None:
         """The ModelCall of a block call no host hook announced (a model called outside ComfyUI's sampler,
@@ -420,8 +316,8 @@ class MergeRuntime:
         callable returning the (B, N, C) features that decide similarity (called only when a plan is
         built)."""
         rows = batch_key(x, transformer_options)
-        key = self.plan_key(level, block, rows)
-        if key in self._failed:
+        key = self.plans.key(level, block, rows)
+        if key in self.plans.failed:
             self.unmerged("no plan", "%s leaves %s unmerged: it could not build a merge plan", self.name, level)
             return None
         call = self._call if self._call is not None else self._loose_call(transformer_options)
@@ -443,72 +339,21 @@ class MergeRuntime:
             return None
         # a plan with new destinations needs nothing of the cached one: not reading it keeps the traced block
         # call of a run's first build and of its later ones the same graph (blocks compiled one by one)
-        plan = cached = None if new_destinations else self._plans.get(key)
+        plan = cached = None if new_destinations else self.plans.by_key.get(key)
         if cached is None or new_weights:
             try:
                 with self.stage("select"):
                     given = None if cached is None else getattr(cached, "destinations", None)
-                    plan = self.build(call, level, rows, features, given, key)
+                    plan = self.plans.build(call, level, rows, features, given, key)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
-                self._failed.add(key)
+                self.plans.failed.add(key)
                 self.unmerged("no plan", "%s leaves %s unmerged: it could not build a merge plan for %s (the error "
                               "is in the debug log)", self.name, level, grid_in_words(level.grid))
                 log.debug("ToMA: %s could not build a plan for %s", self.name, level, exc_info=True)
                 return None
-            self._plans[key] = plan
-            call.built.append((level, plan))
-            call.decisions[key] = (True, False, False)  # later blocks of the key in this call reuse it
+            self.plans.keep(call, level, key, plan)
         call.merged[level] = plan.num_merged
         return plan
-
-    def plan_key(self, level: Level, block, rows: tuple) -> PlanKey:
-        """The key of the plan ``block`` uses at ``level`` for calls of batch layout ``rows`` (``batch_key``)."""
-        return PlanKey(level, block if self.placement.plan_per_block else None, rows)
-
-    def expect(self, call: ModelCall, keys) -> None:
-        """Settle before the model runs the decisions of plan ``keys`` this call's blocks will ask for that the run
-        has not seen (``plan`` takes them inside the block call otherwise): where each block is compiled on its
-        own (kijai's WanVideoWrapper), a block then traces one path per decision, none more for the run's first
-        call."""
-        for key in keys:
-            if key not in call.decisions and key not in self._failed:
-                call.decisions[key] = call.fresh
-                call.first_seen.append(key)
-            counted = self.counts_key(key)
-            if getattr(self.strategy, "rotation", 0) and counted not in call.chosen:  # zeros: a first build too
-                call.chosen[counted] = self.strategy.first_counts(key.level.shape, key.rows[0], call.device)
-
-    def build(self, call: ModelCall, level: Level, rows: tuple, features, given, key: PlanKey):
-        """A new plan for ``level`` with the ``given`` destinations (None: choose them); where the
-        strategy shares destinations within a level, the first block of a call that chooses new ones
-        chooses them for all. A strategy that rotates destinations is given the counts of the earlier
-        builds of the plan key (of the level, where it shares destinations) in the call (``ModelCall.chosen``), and the plan's updated
-        counts are kept after it."""
-        shared = (level, rows) if self.placement.shared_destinations else None
-        if given is None and shared is not None and shared in call.shared:
-            given = call.shared[shared]  # another block of the level chose them in this call
-        feats = features()
-        rotates = given is None and getattr(self.strategy, "rotation", 0)
-        counted = self.counts_key(key)
-        extra = {"chosen": call.chosen.get(counted)} if rotates else {}
-        if call.seed is None:
-            plan = self.strategy.build(feats, level.shape, self.generator(feats.device), given, **extra)
-        else:  # the next stream of the call's seed, where the block's tokens are (a no-op on one device)
-            seed = seed_stream(call.seed, call.seeds_taken).to(feats.device)
-            call.seeds_taken += 1
-            plan = self.strategy.build(feats, level.shape, None, given, seed=seed, **extra)
-        if shared is not None and given is None and hasattr(plan, "destinations"):
-            call.shared[shared] = self._shared[shared] = plan.destinations
-        if rotates and getattr(plan, "chosen", None) is not None:
-            call.counted[counted] = plan.chosen
-        return plan
-
-    def counts_key(self, key: PlanKey) -> tuple:
-        """What rotation counts are kept by for the plans of ``key``: the key, or (level, rows) where the
-        blocks of a level share destinations (its first block chooses them for all)."""
-        if self.placement.shared_destinations:
-            return (key.level, key.rows)
-        return key
 
     def leave(self, level: Level, transformer_options, taker, why: str = "changed its tokens first") -> str:
         """Note that another node took ``level`` in this model call, for the run's stats; ``taker()``
@@ -527,29 +372,6 @@ class MergeRuntime:
         calls = (self._call, self._loose[1] if self._loose is not None else None)
         return level in self._levels or any(call is not None and level in call.merged for call in calls)
 
-    def generator(self, device) -> torch.Generator:
-        """The run's generator on ``device``, seeded with the strategy's seed at the run's first model call
-        (a strategy that ``draws_seed`` draws one seed from it per model call, the others draw from it in
-        every build)."""
-        if device not in self._generators:
-            # the meta device has no generator: plans built there (the cost model, toma_bench.costmodel,
-            # records real-size models on it) draw their random numbers on the CPU
-            where = "cpu" if device.type == "meta" else device
-            self._generators[device] = torch.Generator(device=where).manual_seed(self.strategy.seed)
-        return self._generators[device]
-
-    def record(self, level: Level, step: int, plan) -> None:
-        """Keep what the merge map needs of a newly built plan: one record per level and step (none of a
-        rank's slab: the map draws whole grids)."""
-        records = self._levels.setdefault(level, LevelStats()).records
-        if level.slab is not None or (records and records[-1].step == step):
-            return
-        try:
-            rotation = getattr(self.strategy, "rotation", 0) and records
-            records.append(record_plan(plan, step, level.grid, self.strategy, records[-1] if rotation else None))
-        except Exception:  # the map is a diagnostic: never let it break sampling
-            log.exception("ToMA: could not record the plan of %s for the merge map", level)
-
     def stage(self, kind: str):
         """Time the block as the merging stage ``kind`` ("select", "merge", "unmerge"); untimed while
         torch.compile traces it (a clock read there would break the graph, and inside a compiled graph
@@ -565,20 +387,16 @@ class MergeRuntime:
         waits for the device)."""
         self._flush_loose()
         wall = None if self._run_started is None else time.perf_counter() - self._run_started
-        kept = None
-        if self._kept is not None and self._kept.device.type != "meta":  # the cost model's plans hold no values
-            same, rebuilt = self._kept.tolist()
-            kept = same / rebuilt if rebuilt else None
         return RunReport(
             method=self.name, steps=self.steps.total, schedule=self.steps.schedule, short_run=self._short_run,
             levels={level: LevelStats(s.tokens, s.merged_tokens, set(s.steps), list(s.records))
                     for level, s in self._levels.items()},
-            plans=dict(self._plans), shared_destinations=dict(self._shared),
-            left_to=dict(self._left_to), nothing_merges=tuple(sorted(self._idle)), failed=frozenset(self._failed),
+            plans=dict(self.plans.by_key), shared_destinations=dict(self.plans.shared),
+            left_to=dict(self._left_to), nothing_merges=tuple(sorted(self._idle)), failed=frozenset(self.plans.failed),
             unmerged=dict(self._unmerged),
             seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall, caveats=tuple(self.caveats),
             untimed=self.stages.untimed, host_paced=None if self.pace is None else self.pace.summary(),
-            rotation=float(getattr(self.strategy, "rotation", 0.0)), destinations_kept=kept)
+            rotation=float(self.plans.rotation), destinations_kept=self.plans.destinations_kept())
 
     def summary(self) -> dict:
         """The report as JSON (``RunReport.summary``), what the run listeners get."""

@@ -102,6 +102,18 @@ class HostPace:
             return True
         return False
 
+    def stops(self, notice, name: str) -> bool:
+        """Whether the model call beginning now runs unmerged, the host setting the run's pace: the previous
+        merged call judged (``judge``, no wait), and the rule's stop said once through ``notice`` (the runtime's,
+        ``name`` the patched model's method); the calls it stops counted."""
+        if self.judge():
+            notice("%s runs the rest of the run unmerged: %s (the GPU waited for the host's kernels in the first %d "
+                   "model calls that merged, so merging would only add kernels); %s=off keeps merging",
+                   name, REASON, self.stopped_after, ENV, key=("unmerged", REASON))
+        if self.stopped:
+            self.unmerged_calls += 1
+        return self.stopped
+
     def start(self, device: torch.device):
         """Before a model call on ``device`` runs: (its start event, the host clock), or None where the call is
         not judged (the run decided, or the device has no events)."""

@@ -10,9 +10,13 @@ nothing at all.
 from dataclasses import dataclass
 from functools import cached_property
 
+import logging
+
 import torch
 
 from ...toma_core import BipartitePlan, IdentityPlan, MergePlan, merge_groups
+
+log = logging.getLogger("ComfyUI-ToMA")
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,23 @@ def record_plan(plan, step: int, grid: tuple[int, ...], strategy=None, previous:
     if isinstance(plan, MergePlan):
         window = (plan.grid.window_size, plan.grid.window_size)
     elif isinstance(plan, BipartitePlan):
-        window = (strategy.sy, strategy.sx) if hasattr(strategy, "sy") and hasattr(strategy, "sx") else None
+        window = None if strategy is None else (strategy.sy, strategy.sx)  # the cells of a bipartite method
     elif isinstance(plan, IdentityPlan):  # a step that merges nothing (DiTo's matching steps)
         window = None
     else:
         raise TypeError(f"cannot record a {type(plan).__name__}")
     return PlanRecord(step, int(grid[-2]), int(grid[-1]), window, plan, int(grid[0]) if len(grid) == 3 else 1,
                       previous)
+
+
+def keep_record(records: list, level, step: int, plan, strategy, rotation: float) -> None:
+    """Keep in ``records`` (a level's, ``LevelStats.records``) what the merge map needs of ``plan``, newly built
+    at ``step`` by ``strategy``: one record per level and step (none of a rank's slab: the map draws whole
+    grids); where destinations rotate (``rotation``), each record knows the level's record before it."""
+    if level.slab is not None or (records and records[-1].step == step):
+        return
+    try:
+        previous = records[-1] if rotation and records else None
+        records.append(record_plan(plan, step, level.grid, strategy, previous))
+    except Exception:  # the map is a diagnostic: never let it break sampling
+        log.exception("ToMA: could not record the plan of %s for the merge map", level)
