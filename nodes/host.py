@@ -1,6 +1,8 @@
 """What differs between the ComfyUI versions the pack runs in, feature-detected in one place.
 
 - The original of an object patch: ``ModelPatcher.get_model_object`` where it exists.
+- The attention override (``wrap_attn``): where the attention functions call one, DiT scopes can merge inside
+  the attention call (placement.settle reads it).
 - Run boundaries: current ComfyUI runs OUTER_SAMPLE wrappers around every sampling run and hands them
   the run's sigmas; the March-2024 tree has no run hooks, so two calls every sampling run makes are
   object-patched (the model itself is untouched): ``comfy.samplers.sample`` first encodes each cond
@@ -41,6 +43,17 @@ def sparse_attention_min_tokens(model) -> int | None:
             if isinstance(value, int):
                 return value
     return 0
+
+
+def attention_override_supported() -> bool:
+    """Whether this ComfyUI's attention functions call ``transformer_options["optimized_attention_override"]``
+    (``wrap_attn``; current ComfyUI), which the DiT scopes "attention" and "keys/values" run through
+    (placement.settle)."""
+    try:
+        import comfy.ldm.modules.attention as attention
+    except ImportError:
+        return False
+    return hasattr(attention, "wrap_attn")
 
 
 def original_attr(model, key):

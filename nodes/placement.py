@@ -18,14 +18,16 @@ Where keys are merged inside the attention call ("attention", "keys/values"), ``
 weighs each merged key by the tokens it stands for (toma_core.attention); with another scope it is not
 honoured, and the log and the stats say so.
 
-A node settles where it merges once (``settle``): its inputs and the model's kind make a ``Placement``,
-which the adapter of the model's family and the runtime read.
+A node settles where it merges once (``settle``): its inputs, the model's kind and what the host can do make a
+``Placement``, which the adapter of the model's family and the runtime read: the scope that will run, with its
+caveat, the ratio and the windows, so nothing below reads them back from the strategy.
 """
 import dataclasses
 import logging
 from dataclasses import dataclass
 
 from ..toma_core import ROTATION_STRENGTH, ReuseSchedule, ShortRun
+from . import host
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -153,8 +155,10 @@ class Placement:
     (else one plan serves the blocks of a level or block group in a step); ``shared_destinations``: with
     plans per block, the group's first block chooses the destinations for all; ``proportional``: merged
     keys weigh as the tokens they stand for, only where the scope merges keys inside the attention call;
-    ``schedule`` and ``rotation`` (a strength, 0: off): ToMA's, which its strategy is built from;
-    ``caveats``: what the node asked for and does not get, said once in the log and the stats."""
+    ``schedule``, ``rotation`` (a strength, 0: off), ``ratio`` and ``windows`` ((window_size, temporal_window);
+    None: a method that merges in no windows): ToMA's, which its strategy is built from and sequence-parallel
+    slabs merge by (the baselines' stay unset); ``caveats``: what the node asked for and does not get, said once
+    in the log and the stats."""
 
     scope: str
     levels: object = AUTO
@@ -164,6 +168,8 @@ class Placement:
     schedule: ReuseSchedule | None = None
     rotation: float = 0.0
     caveats: tuple[str, ...] = ()
+    ratio: float = 0.0
+    windows: tuple[int, int] | None = None
 
 
 def proportional_not_honoured(family, scope: str) -> str:
@@ -176,12 +182,15 @@ def proportional_not_honoured(family, scope: str) -> str:
 
 def settle(family, scope: str = AUTO, preset: Preset | None = None, *, levels=AUTO, plan_per_block: bool = False,
            shared_destinations: bool = False, proportional: bool = False, schedule: ReuseSchedule | None = None,
-           rotation: str = "off") -> Placement:
+           rotation: str = "off", ratio: float = 0.0, windows: tuple[int, int] | None = None) -> Placement:
     """The Placement of a node's inputs on a model of ``family`` (an adapter: its ``name``, the
-    ``placements`` it honours and its ``fallback``). With a ``preset`` (ToMA), scope "auto" is the model
-    kind's placement with its fixes (plans per block, shared destinations, proportional attention, the
-    short-run schedule) and rotation "auto" the kind's choice; without one (the baselines), "auto" is the
-    family's fallback. A scope the family does not honour falls back with a log line naming both."""
+    ``placements`` it honours, its ``fallback`` and the scopes it runs through the host's attention override,
+    ``needs_attention_override``). With a ``preset`` (ToMA), scope "auto" is the model kind's placement with its
+    fixes (plans per block, shared destinations, proportional attention, the short-run schedule) and rotation
+    "auto" the kind's choice; without one (the baselines), "auto" is the family's fallback. A scope the family
+    does not honour falls back with a log line naming both; one that needs the attention override on a host
+    without it (host.attention_override_supported) runs whole blocks, said in the log. The Placement's scope is
+    the one that runs, and proportional attention is kept only where it merges keys inside the attention call."""
     check(scope)
     if scope == AUTO and preset is not None:
         scope = preset.scope
@@ -191,9 +200,13 @@ def settle(family, scope: str = AUTO, preset: Preset | None = None, *, levels=AU
         if schedule is not None:
             schedule = dataclasses.replace(schedule, short_run=preset.short_run)
     scope = resolve(scope, family.name, family.placements, family.fallback)
+    if scope in family.needs_attention_override and not host.attention_override_supported():
+        log.warning("ToMA: this ComfyUI has no attention override (comfy.ldm.modules.attention.wrap_attn); "
+                    "%s merges whole blocks (scope block) instead of scope %s", family.name, scope)
+        scope = BLOCK
     caveats = ()
     if proportional and scope not in KEYS_MERGED:
         caveats, proportional = (proportional_not_honoured(family, scope),), False
     rotates = (preset is not None and preset.rotation) if rotation == AUTO else rotation == "on"
     return Placement(scope, levels, plan_per_block, plan_per_block and shared_destinations, proportional, schedule,
-                     ROTATION_STRENGTH if rotates else 0.0, caveats)
+                     ROTATION_STRENGTH if rotates else 0.0, caveats, ratio, windows)

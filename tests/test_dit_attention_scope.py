@@ -105,7 +105,7 @@ def test_an_override_already_set_is_chained(pack, flux):
 
 def test_host_without_attention_override_merges_whole_blocks(pack, flux, monkeypatch, caplog):
     block, _ = toma_patched(pack, flux, scope="block")
-    monkeypatch.setattr(pack.nodes.adapters.attention_override, "attention_override_supported", lambda: False)
+    monkeypatch.setattr(pack.nodes.host, "attention_override_supported", lambda: False)
     with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
         fallback, _ = attention_scope(pack, flux)
         out = sample(fallback)
@@ -156,7 +156,7 @@ def test_one_double_block_by_hand(pack, flux):
             "transformer_options": {"sigmas": torch.tensor([1.0]), layouts.LAYOUT_KEY: layouts.ImageLayout(h, w)}}
     _, runtime = attention_scope(pack, flux)
     with torch.no_grad():
-        got = dit.DiTPatch(runtime, attention_only=True).double_block(args, {"original_block": original})
+        got = dit.DiTPatch(runtime, "attention").double_block(args, {"original_block": original})
         unmerged = original({**args, "img": img.clone(), "txt": txt.clone()})
         (plan,) = runtime.report().plans.values()
         assert plan.num_merged < h * w

@@ -271,7 +271,7 @@ def test_a_block_called_on_padded_slabs_merges_each_to_equal_lengths(pack, wan, 
     runtime = pack.nodes.runtime.runtime_of(default)
     runtime.begin_run()
     with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
-        outs = ranks(wan_adapter.WanPatch(runtime, keys_values=True, proportional=True))
+        outs = ranks(wan_adapter.WanPatch(runtime, "keys/values", proportional=True))
     assert all(torch.equal(out, unmerged) for out, unmerged in outs)
     assert runtime.report().unmerged == {dit.SLAB: WORLD} and not runtime.report().plans
     said = [r.getMessage() for r in caplog.records if "sequence parallelism" in r.getMessage()]

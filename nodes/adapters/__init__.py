@@ -7,6 +7,11 @@ An adapter offers:
     supports(model) -> bool                  whether the ModelPatcher's diffusion model is of this family
     placements, fallback                     the scopes it honours, and the one it takes for another
                                              (placement.settle)
+    needs_attention_override                 the scopes it runs through the host's attention override
+                                             (placement.settle runs whole blocks on a host without one)
+    preset_kind(model) -> str                the kind of model whose preset "auto" means (placement.PRESETS)
+    own_sampler                              whether its models sample in a sampler of their own, not
+                                             ComfyUI's (nodes/patching.py: kijai's WanVideoWrapper)
     patch(model, runtime, placement)         the patched clone, merging where ``placement`` (the node's
                                              placement.Placement, settled once) says; ``model`` itself,
                                              unpatched with a log message, when the strategy or the host

@@ -2,16 +2,11 @@
 functions call ``transformer_options["optimized_attention_override"]`` with q, k and v after RoPE, and these merge
 the image rows there (``MergedAttention``: queries, keys and values, the output unmerged; ``MergedKeysValues``: keys
 and values only, nothing to unmerge). docs/architecture.md, "DiT adapters", has the design."""
-import logging
-
 import torch
 
 from ...toma_core.attention import heads_with_key_bias, padded_head
-from .. import placement
 from ..runtime import MergeRuntime
 from .layout import sequence_index, take_rows, take_sequence
-
-log = logging.getLogger("ComfyUI-ToMA")
 
 ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wrap_attn
 # The override-chain contract of later ComfyUI trees (comfy_extras/sparse_attention_history.py): an override
@@ -20,40 +15,6 @@ ATTENTION_OVERRIDE_KEY = "optimized_attention_override"  # ComfyUI's, read by wr
 # code walks it to name each transform and the provider that runs the attention; an override without it is "an
 # unknown optimized-attention override" to them. Ours (MergedAttention, MergedKeysValues) carry it; they also
 # change the output after (unmerge, bias channels), which the contract leaves to the override itself.
-
-def attention_override_supported() -> bool:
-    """Whether this ComfyUI's attention functions call ``transformer_options["optimized_attention_override"]``
-    (``wrap_attn``; current ComfyUI)."""
-    try:
-        import comfy.ldm.modules.attention as attention
-    except ImportError:
-        return False
-    return hasattr(attention, "wrap_attn")
-
-
-def attention_only(scope: str, family: str) -> bool:
-    """Whether double blocks run only their attention on merged tokens for ``scope`` (a resolved
-    placement: placement.resolve); "attention" on a host without attention overrides falls back to whole
-    blocks, with a log message naming ``family``."""
-    return scope == placement.ATTENTION and overrides_attention(scope, family)
-
-
-def keys_values_only(scope: str, family: str) -> bool:
-    """Whether blocks run whole with only the keys and values of their self-attention merged, for ``scope``
-    (a resolved placement); "keys/values" on a host without attention overrides falls back to whole
-    blocks, with a log message naming ``family``."""
-    return scope == placement.KEYS_VALUES and overrides_attention(scope, family)
-
-
-def overrides_attention(scope: str, family: str) -> bool:
-    """Whether this host runs ``scope``, a placement inside the attention call; if not, the log says that
-    ``family`` merges whole blocks instead."""
-    if attention_override_supported():
-        return True
-    log.warning("ToMA: this ComfyUI has no attention override (comfy.ldm.modules.attention.wrap_attn); "
-                "%s merges whole blocks (scope block) instead of scope %s", family, scope)
-    return False
-
 
 # The parameters of ComfyUI's attention functions after (q, k, v, heads), in order: positional ones are
 # read by these names (Qwen-Image and Lumina 2 pass the mask by position)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ...toma_core.tiles import Slab
+from ..placement import ATTENTION, BLOCK, FEED_FORWARD, KEYS_VALUES
 from ..runtime import Level, MergeRuntime
 from .attention_override import ATTENTION_OVERRIDE_KEY, MergedAttention, MergedKeysValues
 from .layout import (JOINT, LAYOUT_KEY, SLAB_KEY, TWO_STREAM, VIDEO, ImageLayout, SlabLayout, equal_slabs,
@@ -64,11 +65,13 @@ class DiTPatch:
     A family whose blocks see another layout or other per-token inputs subclasses it and overrides what
     differs: ``fits`` (whether a call's inputs cover its tokens as the family lays them out) and
     ``reduced_inputs`` (those inputs cut to the merged sequence), or the class attributes below.
-    attention_only: double blocks run whole on full-length tokens with only their joint attention merged
-    (``MergedAttention``). keys_values: every merged block runs whole with only the keys and values of its
-    self-attention merged (``MergedKeysValues``). proportional: where keys merge inside the attention call
-    (those two), each merged key weighs as the tokens it stands for. feed_forward (scope feed-forward): the
-    block runs whole on every token, the submodules it names on merged tokens (``merged_forward``).
+    scope (the placement's, the one that runs on this host: placement.settle): "block", the whole block on
+    merged tokens; "attention", double blocks run whole on full-length tokens with only their joint attention
+    merged (``MergedAttention``); "keys/values", every merged block runs whole with only the keys and values of
+    its self-attention merged (``MergedKeysValues``); "feed-forward", the block runs whole on every token, the
+    submodules ``feed_forward`` names (the family's) on merged tokens (``merged_forward``). proportional: where
+    keys merge inside the attention call (attention, keys/values), each merged key weighs as the tokens it
+    stands for.
 
     Beside core's Model Sparse Attention node (``MergeRuntime.sparse_min_tokens``), a block whose attention
     sequence has at least that node's ``min_tokens`` runs unmerged unless the scope keeps its attention whole
@@ -87,13 +90,13 @@ class DiTPatch:
     # submodules of each merged block whose forward is object-patched too (companion_forward makes it)
     companions: tuple[str, ...] = ()
 
-    def __init__(self, runtime: MergeRuntime, attention_only: bool = False, keys_values: bool = False,
-                 proportional: bool = False, feed_forward: tuple[str, ...] = ()):
+    def __init__(self, runtime: MergeRuntime, scope: str = BLOCK, proportional: bool = False,
+                 feed_forward: tuple[str, ...] = ()):
         self.runtime = runtime
-        self.attention_only = attention_only
-        self.keys_values = keys_values
+        self.scope = scope
         self.proportional = proportional
-        self.feed_forward = feed_forward  # scope feed-forward: the block's submodules that run merged
+        # scope feed-forward: the block's submodules that run merged (none at the other scopes)
+        self.feed_forward = feed_forward if scope == FEED_FORWARD else ()
         self.taken_from: dict[str, list] = {}  # group -> runtimes of earlier token merge nodes whose blocks this took
         self.around: MergedSpan | None = None  # scope feed-forward: the block call under way's merge
 
@@ -174,17 +177,16 @@ class DiTPatch:
         xfuser's sequence-parallel group names the rank and the tokens are its slab as raylight cuts them
         (``equal_slabs``: every rank's slab merging to as many tokens); else None, the call counted and the
         model call's blocks stepping aside (``tokens_fit``), with why."""
-        group, strategy = sequence_parallel_group(), self.runtime.strategy
-        if not hasattr(strategy, "window_size"):
-            why = f"{strategy.name} does not merge sequence-parallel slabs (ToMA's windows do)"
+        group, where = sequence_parallel_group(), self.runtime.placement
+        if where.windows is None:
+            why = f"{self.runtime.name} does not merge sequence-parallel slabs (ToMA's windows do)"
         elif group is None:
             why = "no sequence-parallel group of xfuser names the rank, so ToMA cannot tell which slab this is"
         elif tokens != -(-layout.total // group[1]):
             why = f"they are not one of {group[1]} equal slabs, as raylight cuts them"
         else:
             try:
-                return equal_slabs(layout, group[1], strategy.window_size, strategy.temporal_window,
-                                   strategy.ratio)[group[0]]
+                return equal_slabs(layout, group[1], *where.windows, where.ratio)[group[0]]
             except ValueError as e:
                 why = f"the slabs cannot merge to equal lengths ({e})"
         self.tokens_fit(tokens, layout.total, options, why)
@@ -209,7 +211,7 @@ class DiTPatch:
         """Say once that blocks called without transformer_options (a cache node's own forward_orig) merge whole
         blocks where the node's scope merges inside their attention (``double``: a double block, which scope
         attention merges there): no attention override would reach it."""
-        if not passed and ((self.attention_only and double) or self.keys_values):
+        if not passed and ((self.scope == ATTENTION and double) or self.scope == KEYS_VALUES):
             self.runtime.caveat("blocks are called without transformer_options (a cache node's own forward_orig), "
                                 "which would drop the attention override; they merge whole blocks (scope block)"
                                 + (", without proportional attention" if self.proportional else ""))
@@ -226,7 +228,7 @@ class DiTPatch:
                 or not self.positions_fit_or_count(args, TWO_STREAM, txt_len, layout)):
             return run(args)
         args = self.with_options(args, options)
-        if self.attention_only and passed:
+        if self.scope == ATTENTION and passed:
             return self.attention_merged_call(args, run, txt_len, layout, block)
         self.whole_blocks_unless(passed, double=True)
         return self.merged_call(TWO_STREAM, args, run, layout.lead, txt_len, layout, block, passed)
@@ -262,7 +264,7 @@ class DiTPatch:
                                   self.runtime.name)
             return run(args)
         if self.merges_slabs and img.shape[1] < layout.total and not options.get(SLAB_KEY):
-            if self.keys_values or self.feed_forward:
+            if self.scope == KEYS_VALUES or self.feed_forward:
                 self.tokens_fit(img.shape[1], layout.total, options, SLABS_TAKE_BLOCKS)
                 return run(args)
             slab = self.slab_of(img.shape[1], layout, options)
@@ -402,7 +404,7 @@ class DiTPatch:
                     block=None, inside_attention: bool = True) -> dict:
         """Run the block on ``args["img"]`` with its grid tokens [start, start + layout.tokens) merged (and
         the reference grids after them, with ``merge_references``); return the full-length result with
-        the block's update of the merged tokens unmerged onto them. ``keys_values``: the block runs whole,
+        the block's update of the merged tokens unmerged onto them. Scope keys/values: the block runs whole,
         only its self-attention's keys and values merged (``keys_values_call``), unless ``inside_attention`` is
         false (the block's caller passes no transformer_options, so no override would reach its attention)."""
         attended = args["img"].shape[1] + (txt_len if group == TWO_STREAM else 0)  # the attention's sequence
@@ -410,7 +412,7 @@ class DiTPatch:
             return run(args)
         if self.feed_forward:
             return self.feed_forward_call(group, args, run, start, layout, block)
-        if self.keys_values and inside_attention:
+        if self.scope == KEYS_VALUES and inside_attention:
             return self.keys_values_call(group, args, run, start, txt_len, layout, block)
         return self.whole_block_call(group, args, run, start, txt_len, layout, block)
 

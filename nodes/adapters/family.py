@@ -15,7 +15,8 @@ Interception:
   ``forward`` object-patched, as the UNet blocks are.
 - The attention override of scopes "attention" and "keys/values" is a placement (``placements``), not an
   interception: the block's patch hands the block an ``optimized_attention_override``
-  (``attention_override.MergedAttention``, ``attention_override.MergedKeysValues``).
+  (``attention_override.MergedAttention``, ``attention_override.MergedKeysValues``). On a host without one,
+  ``placement.settle`` has already made the scope "block" (``needs_attention_override``).
 - Block identity: each block's patch knows its block (a ``BlockPatch``, or the object-patched forward
   made for it), and passes it to ``MergeRuntime.plan``: per-block plans and shared destinations.
 
@@ -34,7 +35,6 @@ from dataclasses import dataclass
 from .. import placement
 from ..host import WRAPPER_KEY, install_run_hooks, original_attr, sparse_attention_min_tokens
 from ..runtime import MergeRuntime
-from .attention_override import attention_only, keys_values_only
 from .dit import DiTPatch
 from .layout import LayoutStash, merged_blocks
 
@@ -103,6 +103,15 @@ class DiTFamily:
     feed_forward: tuple[str, ...] = ()
     sparse_takes_blocks: bool = False
 
+    # the scopes that run inside ComfyUI's attention call, through its attention override (placement.settle runs
+    # whole blocks instead on a host without one)
+    needs_attention_override = (placement.ATTENTION, placement.KEYS_VALUES)
+    own_sampler = False  # the model samples in ComfyUI's sampler (nodes/patching.py)
+
+    def preset_kind(self, model) -> str:
+        """The kind of model whose preset "auto" means (placement.PRESETS): "video" or "dit"."""
+        return "video" if self.video else "dit"
+
     def model_type(self):
         """The diffusion model class, or None where this ComfyUI has none."""
         module, name = self.model_class.split(":")
@@ -145,10 +154,9 @@ class DiTFamily:
         return next((where for where in self.wrappers if wrapped(model, where) is not None), None)
 
     def patch(self, model, runtime: MergeRuntime, where: placement.Placement):
-        """The patched clone, merging with ``where``'s scope (its levels are a UNet notion: a DiT has one
-        token grid); ``model`` itself, unpatched with a log message, when the model, the strategy or the host
-        cannot be served."""
-        chosen = where.scope
+        """The patched clone, merging with ``where``'s scope, the one that runs on this host (its levels are a
+        UNet notion: a DiT has one token grid); ``model`` itself, unpatched with a log message, when the model,
+        the strategy or the host cannot be served."""
         dm = model.model.diffusion_model
         why = self.unserved(dm) if self.unserved is not None else None
         if why is not None:
@@ -168,13 +176,9 @@ class DiTFamily:
             log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
                         "unpatched", name)
             return model
-        blocks = self.blocks(runtime, attention_only=attention_only(chosen, self.name),
-                             keys_values=keys_values_only(chosen, self.name), proportional=where.proportional,
-                             feed_forward=self.feed_forward if chosen == placement.FEED_FORWARD else ())
+        blocks = self.blocks(runtime, where.scope, where.proportional, self.feed_forward)
         blocks.read_model(dm)
-        if where.proportional and not (blocks.attention_only or blocks.keys_values):  # a host without overrides
-            runtime.caveat(placement.proportional_not_honoured(self, placement.BLOCK))
-        elif where.proportional and blocks.attention_only:
+        if where.proportional and where.scope == placement.ATTENTION:
             runtime.caveat(f"proportional attention is honoured only in {self.name}'s double blocks (scope "
                            "attention); its single blocks run whole on merged tokens without it")
         m = model.clone()

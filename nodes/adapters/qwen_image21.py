@@ -31,6 +31,7 @@ call has no target and runs as it is, uncounted.
 """
 import torch
 
+from ..placement import KEYS_VALUES
 from .dit import DiTPatch, forward_mismatch
 from .layout import JOINT, LAYOUT_KEY, ImageLayout, LayoutStash
 
@@ -84,7 +85,7 @@ class QwenImage21Patch(DiTPatch):
     pe_axis = 1
 
     def read_model(self, dm) -> None:
-        if self.proportional and self.keys_values:
+        if self.proportional and self.scope == KEYS_VALUES:
             self.runtime.caveat(NO_PROPORTIONAL)
 
     def block_forward(self, original, block=None):

@@ -329,6 +329,8 @@ name = "SD1.x/SD2.x/SDXL UNet"
 names = ("SD1.x", "SD2.x", "SDXL")
 placements = placement.UNET_PLACEMENTS  # the scopes a UNet honours (placement.settle)
 fallback = placement.UNET_AUTO
+needs_attention_override = ()  # its attention scopes object-patch the self-attention: no host override needed
+own_sampler = False  # its models sample in ComfyUI's sampler (nodes/patching.py)
 
 
 def supports(model) -> bool:

@@ -70,6 +70,10 @@ HOOKS_ATTRIBUTE = "_comfyui_toma_hooks"  # the WanModel's WanModelHooks
 name = "WanVideoWrapper"
 placements = (placement.KEYS_VALUES,)  # keys and values of the self-attention (placement.settle)
 fallback = placement.KEYS_VALUES
+needs_attention_override = ()  # its self-attention hook merges them, not ComfyUI's attention override
+# WanVideoSampler, not ComfyUI's sampler, runs its model (nodes/patching.py): the steps come from its calls, the
+# host-pace rule stays out (runtime/pace.py says why) and the patches are found through ``patches_of``
+own_sampler = True
 
 # What the node reads of the wrapper's code, by name (a wrapper without one of them is refused, saying which)
 FORWARD_PARAMETERS = ("x", "t", "context", "seq_len", "is_uncond", "current_step", "current_step_percentage",
@@ -375,7 +379,7 @@ class WrapperPatch:
         x = arguments["x"]
         call = runtime.call_at(Where(step, progress, runtime.steps.total), x[0].device, len(x), role)
         level = Level(VIDEO, layout.grid)
-        runtime.expect(call, [runtime.plan_key(level, index, (len(x), role)) for index in self.blocks])
+        runtime.plans.expect(call, [runtime.plans.key(level, index, (len(x), role)) for index in self.blocks])
         hooks.active = ActiveCall(self, level, layout.lead, layout.tokens, layout.length, {"cond_or_uncond": role},
                                   proportional)
         try:
