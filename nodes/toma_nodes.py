@@ -1,69 +1,24 @@
 """The node classes (V1 API: loaded by the pinned March-2024 ComfyUI and by current ComfyUI alike).
 
 Each node takes a MODEL and returns a patched clone; the input MODEL is never changed. The node checks
-its inputs and chooses a strategy (``toma_core.strategies``); the adapter of the model's family
-(``adapters``) patches; a model no adapter supports comes back unpatched with a log message naming the
-supported families.
+its inputs, resolves the adapter of the model's family (``adapters``) once, settles where it merges on it and
+chooses a strategy (``toma_core.strategies``); ``patching.patch_with`` patches; a model no adapter supports
+comes back unpatched with a log message naming the supported families.
 """
-import logging
-
 from ..toma_core import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CAToMe, CheckpointSchedule, DiTo,
-                         MatchingSchedule, ReuseSchedule, ToMA, ToMeSD)
+                         MatchingSchedule, ReuseSchedule, ToMeSD)
 from . import placement
 from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
-                       keys_values_families, supported_families, unet)
+                       keys_values_families, unet)
 from .inputs import (CATEGORY, DEFAULT_RATIO, DEFAULT_REUSE, DEFAULT_TEMPORAL_WINDOW, DEFAULT_WINDOW, MODEL_INPUT,
                      RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT, check_inputs, float_input, int_input, ratio_of)
-from .live_stats import stats_sender
-from .runtime import MergeRuntime, attach_runtime
-from .runtime.pace import HostPace, rule_on
-
-log = logging.getLogger("ComfyUI-ToMA")
-
-
-def model_sampling_of(model):
-    """The model's noise schedule; None for a model without one (not a diffusion model: unsupported)."""
-    try:
-        if hasattr(model, "get_model_object"):
-            return model.get_model_object("model_sampling")
-        return model.model.model_sampling
-    except AttributeError:
-        return None
+from .patching import patch_with, preset_for, toma_strategy, unsupported
 
 
 def preset_of(model) -> placement.Preset:
     """What "auto" means for ``model``'s kind (placement.PRESETS); a model no adapter serves gets the
     DiT one, unused: it comes back unpatched."""
-    adapter = adapter_for(model)
-    if hasattr(adapter, "preset_kind"):
-        return placement.PRESETS[adapter.preset_kind(model)]
-    return placement.PRESETS["video" if getattr(adapter, "video", False) else "dit"]
-
-
-def watched(patched, runtime: MergeRuntime, unique_id):
-    """Make ``runtime`` findable from the patched MODEL (merge map) and report its runs to the node."""
-    attach_runtime(patched, runtime)
-    if unique_id is not None:
-        runtime.run_listeners.append(stats_sender(unique_id))
-    return patched
-
-
-def patch_with(model, name: str, settle, strategy_of, unique_id=None):
-    """Patch ``model`` through the adapter of its family; unsupported: ``model`` unpatched. ``settle(adapter)``
-    is where the node merges on that family (placement.settle), ``strategy_of(placement)`` the method as it
-    merges there. ``unique_id``: the patch node's id, to which the live stats of each sampling run are sent."""
-    adapter = adapter_for(model)
-    if adapter is None:
-        log.warning("ToMA: %s is not supported by %s (supported: %s); returning the model unpatched",
-                    type(model.model).__name__, name, supported_families())
-        return model
-    where = settle(adapter)
-    strategy = strategy_of(where)
-    # ToMA stops merging for a run where the host sets its pace (runtime/pace.py); the baselines run as published
-    pace = HostPace() if isinstance(strategy, ToMA) and rule_on() else None
-    runtime = MergeRuntime(strategy, model_sampling_of(model), where, pace)
-    patched = adapter.patch(model, runtime, where)
-    return patched if patched is model else watched(patched, runtime, unique_id)
+    return preset_for(adapter_for(model), model)
 
 
 def apply_strategy(model, strategy, levels="auto", scope: str = placement.AUTO, unique_id=None):
@@ -72,9 +27,11 @@ def apply_strategy(model, strategy, levels="auto", scope: str = placement.AUTO, 
     ``scope``: "auto" is the family's fallback placement."""
     if strategy is None:
         return model.clone()
-    return patch_with(model, strategy.name,
-                      lambda family: placement.settle(family, scope, levels=levels, plan_per_block=True),
-                      lambda where: strategy, unique_id)
+    adapter = adapter_for(model)
+    if adapter is None:
+        return unsupported(model, strategy.name)
+    return patch_with(model, adapter, placement.settle(adapter, scope, levels=levels, plan_per_block=True), strategy,
+                      unique_id)
 
 
 def in_words(names) -> str:
@@ -113,11 +70,12 @@ class ToMAPatchModel(ModelPatchNode):
 
     def patch(self, model, ratio=DEFAULT_RATIO, window_size=DEFAULT_WINDOW, reuse_interval=DEFAULT_REUSE,
               unique_id=None):
-        preset = preset_of(model)
+        adapter = adapter_for(model)
+        preset = preset_for(adapter, model)
         return ToMAPatchModelAdvanced().patch(model, ratio, window_size, reuse_interval, levels=preset.levels,
                                               weights_interval=preset.weights_interval,
                                               start_percent=preset.start_percent, merge_every=preset.merge_every,
-                                              unique_id=unique_id)
+                                              unique_id=unique_id, adapter=adapter)
 
 
 class ToMAPatchModelAdvanced(ModelPatchNode):
@@ -200,37 +158,27 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
     def patch(self, model, ratio, window_size, reuse_interval, scope="auto", levels="auto",
               weights_interval=1, start_percent=0.0, end_percent=1.0, tau=DEFAULT_TAU, exact_unmerge=False,
               temporal_window=DEFAULT_TEMPORAL_WINDOW, merge_every=1, plan_per_block=False,
-              proportional_attention=False, shared_destinations=False, rotation="auto", unique_id=None):
+              proportional_attention=False, shared_destinations=False, rotation="auto", unique_id=None, adapter=None):
+        """``adapter``: the model's, where the caller resolved it (the basic node); else resolved here."""
         check_inputs(ToMAPatchModelAdvanced, ratio=ratio, window_size=window_size, reuse_interval=reuse_interval,
                      scope=scope, levels=levels, weights_interval=weights_interval, start_percent=start_percent,
                      end_percent=end_percent, tau=tau, exact_unmerge=exact_unmerge, temporal_window=temporal_window,
                      merge_every=merge_every, plan_per_block=plan_per_block,
                      proportional_attention=proportional_attention, shared_destinations=shared_destinations,
                      rotation=rotation)
-        preset = preset_of(model)
+        adapter = adapter_for(model) if adapter is None else adapter
+        preset = preset_for(adapter, model)
         ratio = ratio_of(ratio, preset)
         if ratio == 0:
             return (model.clone(),)
+        if adapter is None:
+            return (unsupported(model, "ToMA"),)
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, weights_interval, int(merge_every))
-        window_size = window_size or preset.window_size
-
-        def settle(family):
-            return placement.settle(family, scope, preset, levels=levels, plan_per_block=plan_per_block,
-                                    shared_destinations=shared_destinations, proportional=proportional_attention,
-                                    schedule=schedule, rotation=rotation)
-
-        def strategy(where):
-            return toma_strategy(ratio, window_size, where, tau, exact_unmerge, temporal_window)
-
-        return (patch_with(model, "ToMA", settle, strategy, unique_id),)
-
-
-def toma_strategy(ratio: float, window_size: int, where: placement.Placement, tau: float = DEFAULT_TAU,
-                  exact_unmerge: bool = False, temporal_window: int = DEFAULT_TEMPORAL_WINDOW) -> ToMA:
-    """ToMA as a node's inputs ask for it (``window_size`` resolved: not 0), with the schedule and rotation
-    its placement settled."""
-    return ToMA(ratio, int(window_size), where.schedule, tau, exact_unmerge, temporal_window=int(temporal_window),
-                rotation=where.rotation)
+        where = placement.settle(adapter, scope, preset, levels=levels, plan_per_block=plan_per_block,
+                                 shared_destinations=shared_destinations, proportional=proportional_attention,
+                                 schedule=schedule, rotation=rotation, ratio=ratio,
+                                 windows=(int(window_size or preset.window_size), int(temporal_window)))
+        return (patch_with(model, adapter, where, toma_strategy(where, tau, exact_unmerge), unique_id),)
 
 
 def _downsample_levels(max_downsample: int) -> frozenset[int]:

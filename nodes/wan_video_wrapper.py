@@ -8,10 +8,8 @@ from . import placement
 from .adapters import wan_video_wrapper as wrapper
 from .inputs import (CATEGORY, DEFAULT_TEMPORAL_WINDOW, RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT, check_inputs,
                      float_input, int_input, ratio_of)
-from .live_stats import stats_sender
 from .merge_map import ToMAMergeMap
-from .runtime import MergeRuntime
-from .toma_nodes import toma_strategy
+from .patching import patch_with, toma_strategy
 
 log = logging.getLogger("ComfyUI-ToMA")
 
@@ -80,13 +78,9 @@ class ToMAWanVideoWrapper:
         schedule = ReuseSchedule(start_percent, end_percent, reuse_interval, short_run=PRESET.short_run)
         where = placement.settle(wrapper, placement.KEYS_VALUES, PRESET, plan_per_block=plan_per_block,
                                  shared_destinations=shared_destinations, proportional=proportional_attention,
-                                 schedule=schedule, rotation="auto")  # the video kind's rotation
-        strategy = toma_strategy(ratio, window_size or PRESET.window_size, where, temporal_window=temporal_window)
-        runtime = MergeRuntime(strategy, None, where)
-        patched = wrapper.patch(model, runtime, where)
-        if unique_id is not None:
-            runtime.run_listeners.append(stats_sender(unique_id))
-        return (patched,)
+                                 schedule=schedule, rotation="auto",  # the video kind's rotation
+                                 ratio=ratio, windows=(int(window_size or PRESET.window_size), int(temporal_window)))
+        return (patch_with(model, wrapper, where, toma_strategy(where), unique_id),)
 
 
 class ToMAMergeMapWanVideoWrapper(ToMAMergeMap):
