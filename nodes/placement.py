@@ -100,7 +100,7 @@ KIND_NAMES = {"sd1": "SD1.x/SD2.x UNets", "sdxl": "SDXL UNets", "dit": "image Di
 
 
 # Kinds of model: UNets with attention at full resolution (SD1.x/SD2.x), UNets without (SDXL), image
-# DiTs, video DiTs (toma_nodes.preset_of: the UNet adapter's preset_kind(model), a DiT declaration's video).
+# DiTs, video DiTs (patching.preset_for: the adapter's preset_kind(model), a DiT declaration's from its video).
 # Each is the best point found on the speed-vs-fidelity fronts (the GPU clock of the real-size model, the
 # PSNR of a trained proxy of the same layout); its figures, with the commands that printed them, are in
 # docs/figures.json under the kind's key (tests/test_figures.py keeps its ratio and scope equal to these).

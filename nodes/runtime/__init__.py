@@ -1,6 +1,8 @@
 """The runtime layer: per patched MODEL, what happens while it samples.
 
-- ``merge_runtime``: ``MergeRuntime``, the run, the plan cache and the stats of one token merge node.
+- ``merge_runtime``: ``MergeRuntime``, the run, the host's wrappers and the stats of one token merge node.
+- ``plans``: ``PlanStore``, its plan cache, the schedule's reuse decisions and rotation's counts.
+- ``model_call``: ``ModelCall``, what one model call settled before the model ran and what it merged.
 - ``levels``: ``Level`` (what plans and stats are keyed by), the plan key, ``RunReport`` (what a run
   merged, to read).
 - ``steps``: sigma -> step and progress of a model call in its run.

@@ -54,7 +54,8 @@ class PlanStore:
         does not."""
         if not self.schedule.is_short(total):
             return None
-        return f"a {total}-step run (at most {self.schedule.short_run.steps}) merges {self.schedule.short_run.in_words()}"
+        short = self.schedule.short_run
+        return f"a {total}-step run (at most {short.steps}) merges {short.in_words()}"
 
     def key(self, level: Level, block, rows: tuple) -> PlanKey:
         """The key of the plan ``block`` uses at ``level`` for calls of batch layout ``rows`` (``batch_key``)."""
