@@ -36,7 +36,9 @@ class MergeRuntime:
 
     def __init__(self, strategy, model_sampling, placement, pace: HostPace | None = None):
         self.strategy = strategy
-        self.placement = placement  # where the node merges (placement.Placement): plans per block, shared destinations
+        # where and how the node merges (placement.Placement), as settled once: read by the plan store (plans per
+        # block, shared destinations, rotation) and by the adapters (the scope, sequence-parallel slabs)
+        self.placement = placement
         self.pace = pace  # the rule that stops merging for a run where the host sets the pace (None: no rule)
         self.name = strategy.name
         self.steps = StepLocator(model_sampling)
