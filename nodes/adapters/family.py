@@ -28,12 +28,14 @@ import importlib
 import logging
 import operator
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import placement
 from ..host import WRAPPER_KEY, install_run_hooks, original_attr, sparse_attention_min_tokens
 from ..runtime import MergeRuntime
+from ..runtime.malloc_graph import runs_as_cuda_graph, unless_graphed
 from .attention_override import attention_only, keys_values_only
 from .dit import DiTPatch
 from .layout import LayoutStash, merged_blocks
@@ -224,7 +226,8 @@ class DiTFamily:
                         continue
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
                     blocks.took(g.group, previous)
-                m.set_model_patch_replace(BlockPatch(blocks, g.handler, (g.hook, i)), "dit", g.hook, i)
+                patch = BlockPatch(blocks, g.handler, (g.hook, i), getattr(dm, g.blocks)[i])
+                m.set_model_patch_replace(patch, "dit", g.hook, i)
                 self.patch_companions(m, dm, g, i, blocks)
                 merged.append(f"{g.hook} {i}")
         return merged, left, retaken
@@ -255,7 +258,8 @@ class DiTFamily:
                     current, previous = earlier
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
                     blocks.took(g.group, previous)
-                m.add_object_patch(key, types.MethodType(getattr(blocks, g.handler)(current, (g.hook, i)), layers[i]))
+                forward = unless_graphed(getattr(blocks, g.handler)(current, (g.hook, i)))
+                m.add_object_patch(key, types.MethodType(forward, layers[i]))
                 merged.append(f"{g.hook} {i}")
         return merged, [], retaken
 
@@ -270,12 +274,17 @@ def wrapped(model, where: str):
 
 class BlockPatch:
     """The "dit" replace patch of one block: ``blocks``' handler named ``handler`` (DiTPatch.double_block,
-    ...), called with the block's identity ``block`` ((hook, index)), which reaches MergeRuntime.plan."""
+    ...), called with the block's identity ``block`` ((hook, index)), which reaches MergeRuntime.plan; the block
+    ``module`` itself runs unmerged where the host replays it from a CUDA graph (malloc_graph.py)."""
 
-    def __init__(self, blocks: DiTPatch, handler: str, block: tuple):
+    def __init__(self, blocks: DiTPatch, handler: str, block: tuple, module=None):
         self.blocks, self.handler, self.block = blocks, handler, block
+        # weakly: a deep copy (every clone's) keeps the reference, never copies the block
+        self.module = weakref.ref(module) if module is not None else lambda: None
 
     def __call__(self, args: dict, extras: dict) -> dict:
+        if runs_as_cuda_graph(self.blocks.runtime, self.module()):
+            return extras["original_block"](args)
         return getattr(self.blocks, self.handler)(args, extras, block=self.block)
 
 

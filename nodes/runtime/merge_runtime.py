@@ -18,6 +18,7 @@ import torch
 
 from ...toma_core.selection import draw_seed, seed_stream
 from ..host import sparse_attention_min_tokens
+from . import malloc_graph
 from .levels import Level, LeftTo, LevelStats, PlanKey, RunReport, batch_key, grid_in_words
 from .pace import ENV, REASON, HostPace
 from .records import record_plan
@@ -400,9 +401,10 @@ class MergeRuntime:
             return None
         if self._loose is not None and self._loose[0] is sigmas:
             return self._loose[1]
-        self._flush_loose()
-        x_batch = None  # the batch is read from the block's tokens by plan()
-        call = self.begin_call(transformer_options, x_batch)
+        with malloc_graph.kept_past_block():  # in a block call: the call's seed and the previous call's counts are kept
+            self._flush_loose()
+            x_batch = None  # the batch is read from the block's tokens by plan()
+            call = self.begin_call(transformer_options, x_batch)
         self._loose = None if call is None else (sigmas, call)
         return call
 
@@ -445,8 +447,8 @@ class MergeRuntime:
         # call of a run's first build and of its later ones the same graph (blocks compiled one by one)
         plan = cached = None if new_destinations else self._plans.get(key)
         if cached is None or new_weights:
-            try:
-                with self.stage("select"):
+            try:  # the plan outlives the block call: made outside the host's malloc graph (malloc_graph.py)
+                with self.stage("select"), malloc_graph.kept_past_block():
                     given = None if cached is None else getattr(cached, "destinations", None)
                     plan = self.build(call, level, rows, features, given, key)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
