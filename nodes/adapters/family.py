@@ -36,6 +36,7 @@ from .. import placement
 from ..host import WRAPPER_KEY, install_run_hooks, original_attr, sparse_attention_min_tokens
 from ..runtime import MergeRuntime
 from ..runtime.malloc_graph import runs_as_cuda_graph, unless_graphed
+from . import declared_attention
 from .attention_override import attention_only, keys_values_only
 from .dit import DiTPatch
 from .layout import LayoutStash, merged_blocks
@@ -170,9 +171,11 @@ class DiTFamily:
             log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
                         "unpatched", name)
             return model
+        chosen, declared = declared_attention.settle(chosen, dm, self, runtime)
         blocks = self.blocks(runtime, attention_only=attention_only(chosen, self.name),
                              keys_values=keys_values_only(chosen, self.name), proportional=where.proportional,
                              feed_forward=self.feed_forward if chosen == placement.FEED_FORWARD else ())
+        blocks.declared_attention = declared
         blocks.read_model(dm)
         if where.proportional and not (blocks.attention_only or blocks.keys_values):  # a host without overrides
             runtime.caveat(placement.proportional_not_honoured(self, placement.BLOCK))
