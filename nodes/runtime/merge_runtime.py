@@ -155,7 +155,8 @@ class MergeRuntime:
         list, no tensor read)."""
         if message not in self.caveats:
             self.caveats.append(message)
-            log.warning("ToMA: %s: %s", self.name, message)
+            # the pack's prefix, then the method's name unless it is the same ("ToMA: ToMA: ..." read twice)
+            log.warning("ToMA: %s", message if self.name == "ToMA" else f"{self.name}: {message}")
 
     # -- run boundaries -------------------------------------------------------------------------
     def begin_run(self, schedule=None, model_sampling=None):
