@@ -9,8 +9,8 @@
 - ``registry``: MODEL -> its runtimes.
 - ``malloc_graph``: the host's Comfy Compiler: what the pack keeps is made outside its malloc graph.
 """
-from .levels import UNET, Level, PlanKey, RunReport, unet_level
 from . import malloc_graph
+from .levels import UNET, Level, PlanKey, RunReport, unet_level
 from .merge_runtime import MergeRuntime
 from .registry import OPTIONS_KEY, STACK_KEY, attach_runtime, hold, holds, runtime_of, runtimes_of
 
