@@ -5,6 +5,10 @@ error naming the input and what it allows, before anything is patched."""
 from . import placement
 
 CATEGORY = "model_patches/token_merging"
+# What users type into the node search for these nodes (SEARCH_ALIASES: V1, and V3 through nodes/v3.py): the
+# patch nodes make sampling faster; the merge maps show what they merged.
+SPEED_ALIASES = ("token merge", "token merging", "tome", "toma", "speed up", "faster sampling", "acceleration")
+MAP_ALIASES = ("token merge", "token merge map", "merged tokens", "tome", "toma")
 
 # Defaults chosen from the speed-vs-fidelity curves on the trained proxies (docs/benchmarks.md, "The defaults, and why").
 AUTO_RATIO = -1.0  # the ratio input's "auto": the model kind's ratio (placement.PRESETS)

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .inputs import CATEGORY, check_inputs
+from .inputs import CATEGORY, MAP_ALIASES, check_inputs
 from .runtime import runtimes_of
 from .runtime.records import PlanRecord
 
@@ -166,6 +166,7 @@ class ToMAMergeMap:
                    "while sampling; nothing is recomputed.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("IMAGE",)
+    SEARCH_ALIASES = list(MAP_ALIASES)
     OUTPUT_TOOLTIPS = ("The merge map at the decoded image's size (latent x8), optionally over the image.",)
     FUNCTION = "draw"
 

@@ -11,7 +11,8 @@ from . import placement
 from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
                        keys_values_families, unet)
 from .inputs import (CATEGORY, DEFAULT_RATIO, DEFAULT_REUSE, DEFAULT_TEMPORAL_WINDOW, DEFAULT_WINDOW, MODEL_INPUT,
-                     RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT, check_inputs, float_input, int_input, ratio_of)
+                     RATIO_INPUT, REUSE_INPUT, SPEED_ALIASES, WINDOW_INPUT, check_inputs, float_input, int_input,
+                     ratio_of)
 from .patching import patch_with, preset_for, toma_strategy, unsupported
 
 
@@ -46,6 +47,7 @@ class ModelPatchNode:
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The patched model: connect it to a sampler.",)
     FUNCTION = "patch"
+    SEARCH_ALIASES = list(SPEED_ALIASES)
 
 
 class ToMAPatchModel(ModelPatchNode):
@@ -198,6 +200,7 @@ TOME_COMMON = {
 
 
 class ToMeSDPatchModel(ModelPatchNode):
+    SEARCH_ALIASES = [*SPEED_ALIASES, "tomesd"]
     DESCRIPTION = ("ToMeSD baseline (Bolya & Hoffman 2023), as in the tomesd package: one random destination "
                    "per 2x2 cell, bipartite matching by cosine, the most similar sources averaged in; seeded.")
 
@@ -228,6 +231,7 @@ def parse_checkpoints(text: str) -> tuple[int, ...]:
 
 
 class CAToMePatchModel(ModelPatchNode):
+    SEARCH_ALIASES = [*SPEED_ALIASES, "ca-tome", "catome"]
     DESCRIPTION = ("CA-ToMe baseline (Saghatchian et al. 2025): ToMeSD's matching, but merges the sources "
                    "whose similarity reaches a threshold, and reuses the matches between checkpoint steps.")
 
@@ -252,9 +256,12 @@ class CAToMePatchModel(ModelPatchNode):
 
 
 class DiToPatchModel(ModelPatchNode):
-    DESCRIPTION = ("DiTo, after arXiv 2605.22011 (a reading of its abstract: no code is public; help page and "
-                   "docs/architecture.md list the assumptions): each DiT block runs unmerged at a matching step, "
-                   "matches tokens by the similarity of its own output (ToMeSD's cells and bipartite matching), "
+    SEARCH_ALIASES = [*SPEED_ALIASES, "dito"]
+    EXPERIMENTAL = True  # our reading of a paper whose method text could not be read (see its description)
+    DESCRIPTION = ("Experimental. DiTo, after arXiv 2605.22011: it follows only the paper's abstract and first "
+                   "figure, because the method text could not be read here (and no code is public); "
+                   "toma_core/dito.py lists what it assumes, as do the help page and docs/architecture.md. Each DiT "
+                   "block runs unmerged at a matching step, matches tokens by the similarity of its own output (ToMeSD's cells and bipartite matching), "
                    "and merges by that matching over the reduction steps until the next matching step, whole "
                    "blocks on merged image tokens; a penalty keeps it from merging the same tokens at every "
                    f"matching. DiTs only ({in_words(family_names(video=False) + family_names(video=True))}); a "

@@ -19,7 +19,11 @@ WIDGETS = {"INT": "Int", "FLOAT": "Float", "BOOLEAN": "Boolean", "STRING": "Stri
 # V1 class attributes with a meaning ``node_class`` does not carry over (lists, change detection, validation,
 # lazy inputs): a node that has one is refused when the pack loads, rather than served without it.
 NOT_CARRIED = ("INPUT_IS_LIST", "OUTPUT_IS_LIST", "IS_CHANGED", "VALIDATE_INPUTS", "check_lazy_status",
-               "NOT_IDEMPOTENT", "DEPRECATED", "EXPERIMENTAL", "SEARCH_ALIASES")
+               "NOT_IDEMPOTENT", "DEPRECATED")
+# V1 class attributes that only help the front end find and label a node, and the V3 Schema fields that carry
+# them where this host's schema has the field (search_aliases: v0.33.0 on; is_experimental: 2025 on); a schema
+# without the field has nothing to show them with, so they are left out there.
+HINTS = {"SEARCH_ALIASES": "search_aliases", "EXPERIMENTAL": "is_experimental"}
 
 
 def schema_input(name: str, spec: tuple, optional: bool):
@@ -38,6 +42,12 @@ def schema_input(name: str, spec: tuple, optional: bool):
     if extra and "extra_dict" not in takes:
         raise TypeError(f"input {name}: this ComfyUI's V3 {kind} input takes no {', '.join(sorted(extra))}")
     return comfy_type.Input(name, optional=optional, **named, **({"extra_dict": extra} if extra else {}))
+
+
+def hints(v1: type) -> dict:
+    """The V3 Schema arguments of ``v1``'s HINTS that this host's schema takes."""
+    takes = inspect.signature(io.Schema).parameters
+    return {field: getattr(v1, name) for name, field in HINTS.items() if hasattr(v1, name) and field in takes}
 
 
 def node_class(node_id: str, v1: type, display_name: str | None) -> type:
@@ -59,7 +69,7 @@ def node_class(node_id: str, v1: type, display_name: str | None) -> type:
             outputs=[io.Custom(kind).Output(display_name=name, tooltip=tooltip)
                      for kind, name, tooltip in zip(v1.RETURN_TYPES, names, tooltips)],
             hidden=[io.Hidden(kind) for kind in spec.get("hidden", {}).values()],
-            is_output_node=getattr(v1, "OUTPUT_NODE", False))
+            is_output_node=getattr(v1, "OUTPUT_NODE", False), **hints(v1))
 
     def execute(cls, **inputs):
         # V1 gets hidden inputs as arguments named in its INPUT_TYPES; V3 holds them on cls.hidden by kind

@@ -6,8 +6,8 @@ import logging
 from ..toma_core import ReuseSchedule
 from . import placement
 from .adapters import wan_video_wrapper as wrapper
-from .inputs import (CATEGORY, DEFAULT_TEMPORAL_WINDOW, RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT, check_inputs,
-                     float_input, int_input, ratio_of)
+from .inputs import (CATEGORY, DEFAULT_TEMPORAL_WINDOW, MAP_ALIASES, RATIO_INPUT, REUSE_INPUT, SPEED_ALIASES,
+                     WINDOW_INPUT, check_inputs, float_input, int_input, ratio_of)
 from .merge_map import ToMAMergeMap
 from .patching import patch_with, toma_strategy
 
@@ -27,6 +27,7 @@ class ToMAWanVideoWrapper:
                    "attention, ...) run unmerged, named in the stats.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("WANVIDEOMODEL",)
+    SEARCH_ALIASES = [*SPEED_ALIASES, "wanvideowrapper"]
     OUTPUT_TOOLTIPS = ("The patched model: connect it to WanVideoSampler (or to the wrapper's nodes before it).",)
     FUNCTION = "patch"
 
@@ -84,6 +85,7 @@ class ToMAWanVideoWrapper:
 
 
 class ToMAMergeMapWanVideoWrapper(ToMAMergeMap):
+    SEARCH_ALIASES = [*MAP_ALIASES, "wanvideowrapper"]
     DESCRIPTION = ("The ToMA Merge Map of a WANVIDEOMODEL: which video tokens the ToMA (WanVideoWrapper) node merged "
                    "in the last run of WanVideoSampler (its first latent frame), read from the plans recorded while "
                    "sampling.")

@@ -133,6 +133,8 @@ def test_toma_default_hands_the_sparse_kernel_every_call_it_would_take_alone(pac
     assert not summary["levels"]
     assert any("Model Sparse Attention" in c and f"{MIN_TOKENS:,} tokens" in c for c in summary["caveats"])
     assert caplog.text.count("leaves blocks of 960 tokens unmerged to core's sparse attention") == 1
+    # the pack's prefix once: the caveat's method is ToMA itself (it read "ToMA: ToMA: core's ...")
+    assert "ToMA: core's Model Sparse Attention is on this model" in caplog.text and "ToMA: ToMA:" not in caplog.text
 
 
 def test_below_min_tokens_toma_merges_and_the_node_runs_dense_by_its_own_rule(pack, wan):

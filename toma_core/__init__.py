@@ -8,6 +8,7 @@
 - ``dito``: DiTo (after arXiv 2605.22011): matchings on block outputs, reused over reduction steps.
 - ``strategies``: the four methods behind one protocol (``Strategy``: build a plan; a schedule says when).
 - ``groups``: which kept token every token was merged into (what a merge map draws).
+- ``memory``: the context the engine makes the tensors it caches under (the host's, handed in by its glue).
 """
 from .baselines import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, BipartitePlan, CheckpointSchedule, catome_checkpoints,
                         catome_plan, tomesd_plan)

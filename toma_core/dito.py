@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .baselines import BipartitePlan, grid_destinations
+from .memory import kept
 from .plan import IdentityPlan
 from .schedule import Schedule, StepDecision, check_fraction, check_interval
 
@@ -123,7 +124,8 @@ class MatchingPlan(IdentityPlan):
         return self.state
 
     def observe(self, output: torch.Tensor) -> None:
-        plan, counts = match_outputs(output, self.src_index, self.dst_index, self.r, self.counts, self.penalty)
+        with kept():  # the matching is kept for the reduction steps (toma_core.memory)
+            plan, counts = match_outputs(output, self.src_index, self.dst_index, self.r, self.counts, self.penalty)
         plan.state = MatchState(counts, None, MATCHED)
         self.state = MatchState(counts, plan, MATCHED)
 

@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 from torch.compiler import is_compiling
 
+from .memory import kept, made_kept
 from .selection import select_by_similarity, unit_similarity, unit_vectors
 from .tiles import SlabGrid, TileGrid, grid_on, tile_tokens, token_grid, untile_tokens
 
@@ -135,6 +136,7 @@ class PlanGeometry:
 
 
 @lru_cache(maxsize=256)
+@made_kept
 def plan_geometry(grid: TileGrid, ratio: float, device: torch.device) -> PlanGeometry:
     """The PlanGeometry of ``grid`` at ``ratio`` on ``device``, from the grid shape alone (Python
     integers) and copied to the device once per (grid, ratio, device), so building a plan reads nothing
@@ -149,6 +151,7 @@ def plan_geometry(grid: TileGrid, ratio: float, device: torch.device) -> PlanGeo
 
 
 @lru_cache(maxsize=256)
+@made_kept
 def row_offsets(batch: int, tiles: int, tile_size: int, device: torch.device) -> torch.Tensor:
     """(batch, tiles, 1) long: the first row of each tile in a (batch * tiles * tile_size, C) view, made on
     the host and copied to ``device`` once per shape."""
@@ -178,7 +181,8 @@ class TokenPlan:
         if hit is not None and hit[0] == key and len(hit[1]) == len(sources) and all(
                 a is b for a, b in zip(hit[1], sources)):
             return hit[2]
-        value = make()
+        with kept():  # kept for the plan's later blocks: made outside the host's malloc graph (toma_core.memory)
+            value = make()
         cache[name] = (key, sources, value)
         return value
 
@@ -254,8 +258,9 @@ class MergePlan(TokenPlan):
         functools.cached_property, whose lock torch.compile cannot trace)."""
         if self._log_mass is None:
             B, T, D = self.mass.shape
-            logs = self.mass.clamp_min(1e-6).log().view(B, T * D)
-            self._log_mass = logs if self.live is None else logs.index_select(1, self.live)
+            with kept():
+                logs = self.mass.clamp_min(1e-6).log().view(B, T * D)
+                self._log_mass = logs if self.live is None else logs.index_select(1, self.live)
         return self._log_mass
 
     def destination_tokens(self) -> torch.Tensor:
@@ -264,10 +269,11 @@ class MergePlan(TokenPlan):
         each ask for it)."""
         if self._destination_tokens is None:
             B, T, D = self.destinations.shape
-            origin = grid_on(self.grid, self.destinations.device)[1]
-            raster = origin[torch.arange(T, device=origin.device)[:, None], self.destinations.clamp(min=0)]
-            raster = raster.reshape(B, T * D)
-            self._destination_tokens = raster if self.live is None else raster.index_select(1, self.live)
+            with kept():
+                origin = grid_on(self.grid, self.destinations.device)[1]
+                raster = origin[torch.arange(T, device=origin.device)[:, None], self.destinations.clamp(min=0)]
+                raster = raster.reshape(B, T * D)
+                self._destination_tokens = raster if self.live is None else raster.index_select(1, self.live)
         return self._destination_tokens
 
 

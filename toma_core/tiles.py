@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .memory import made_kept
+
 
 @dataclass(frozen=True)
 class TileGrid:
@@ -202,6 +204,7 @@ def token_grid(shape, window_size: int, temporal_window: int = 1) -> "TileGrid |
 
 
 @lru_cache(maxsize=256)
+@made_kept
 def grid_on(grid: TileGrid, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid, tile_origin) of ``grid`` (a TileGrid or SlabGrid) on ``device``, copied there once per (grid,
     device): a copy from the host inside a block call would make the host wait for the device on every
@@ -210,6 +213,7 @@ def grid_on(grid: TileGrid, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 @lru_cache(maxsize=256)
+@made_kept
 def slots_on(slab: SlabGrid, device: torch.device) -> torch.Tensor:
     """``slab_windows``' slot of each token of ``slab``, on ``device`` (copied once)."""
     return slab_windows(slab)[2].to(device)

@@ -43,6 +43,16 @@ def key_mask(mask, index: torch.Tensor, length: int, batch: int):
     return take_rows(mask, index, -1)
 
 
+def attend(override, func, *args, **kwargs):
+    """An attention call of ``override`` (MergedAttention, MergedKeysValues) on to what runs it: the override another
+    patch set before ours (``previous``: a backend the user chose, which core too runs in place of a declared one);
+    else the attention the model's blocks declare (``declared``: declared_attention.py), which ``wrap_attn`` does not
+    hand an override; else ``func``, the global function it hands."""
+    if override.previous is not None:
+        return override.previous(func, *args, **kwargs)
+    return (override.declared or func)(*args, **kwargs)
+
+
 class MergedAttention:
     """``transformer_options["optimized_attention_override"]`` for one double-block call: ComfyUI's attention
     functions call it as ``override(func, q, k, v, heads, **kwargs)`` in place of ``func``.
@@ -50,22 +60,21 @@ class MergedAttention:
     q, k, v: (B, H, L, D) with RoPE applied, L = ``length``; rows [start, start + tokens) are the image
     grid, merged by ``plan`` on (B, N, H*D) views; ``mask`` is cut to the merged sequence. The output
     (B, L', H*D) comes back with L rows: each merged token's row is copied back onto its sources (U).
-    ``previous``: the override another patch had set, called in place of ``func`` (stacked).
-    ``proportional``: each merged key weighs as the tokens it stands for (the bias in an extra head
-    channel, toma_core.attention). Anything unexpected (another layout, an exception) runs that call
-    unmerged."""
+    ``previous``: the override another patch had set, called in place of ``func`` (stacked); ``declared``: the
+    attention the model's blocks declare, called in place of ``func`` otherwise (``attend``). ``proportional``:
+    each merged key weighs as the tokens it stands for (the bias in an extra head channel, toma_core.attention).
+    Anything unexpected (another layout, an exception) runs that call unmerged."""
 
     def __init__(self, runtime: MergeRuntime, plan, start: int, tokens: int, length: int, previous=None,
-                 proportional: bool = False):
+                 proportional: bool = False, declared=None):
         self.runtime, self.plan, self.previous = runtime, plan, previous
         self.start, self.tokens, self.length = start, tokens, length
         self.proportional = proportional
+        self.declared = declared
         self.attention_preprocess_v1 = (self.transform, previous)  # the chain contract (ATTENTION_OVERRIDE_KEY)
 
     def attend(self, func, *args, **kwargs):
-        if self.previous is None:
-            return func(*args, **kwargs)
-        return self.previous(func, *args, **kwargs)
+        return attend(self, func, *args, **kwargs)
 
     def fits(self, q, k, v, args: tuple, kwargs: dict) -> bool:
         """Whether this is the joint attention the plan was made for: (B, H, L, D) inputs
@@ -148,11 +157,13 @@ class MergedKeysValues:
     mask is cut to the merged keys at the destinations' columns, never added: fused kernels
     (FlashAttention, SageAttention) still run. ``proportional``: each merged key weighs as the tokens it
     stands for, by the extra-channel form (toma_core.attention). ``previous``: another patch's override,
-    called in place of ``func`` (stacked). Anything unexpected runs that call unmerged, with a log line."""
+    called in place of ``func`` (stacked); ``declared``: the blocks' declared attention, else (``attend``).
+    Anything unexpected runs that call unmerged, with a log line."""
 
-    def __init__(self, runtime: MergeRuntime, spans, length: int, proportional: bool = False, previous=None):
+    def __init__(self, runtime: MergeRuntime, spans, length: int, proportional: bool = False, previous=None,
+                 declared=None):
         self.runtime, self.spans, self.length = runtime, spans, length
-        self.proportional, self.previous = proportional, previous
+        self.proportional, self.previous, self.declared = proportional, previous, declared
         self.served = False  # whether the block's self-attention came through (the block checks it after)
         self.attention_preprocess_v1 = (self.transform, previous)  # the chain contract (ATTENTION_OVERRIDE_KEY)
 
@@ -172,9 +183,7 @@ class MergedKeysValues:
         return mq, mk, mv
 
     def attend(self, func, *args, **kwargs):
-        if self.previous is None:
-            return func(*args, **kwargs)
-        return self.previous(func, *args, **kwargs)
+        return attend(self, func, *args, **kwargs)
 
     def key_rows(self, device) -> torch.Tensor:
         """(B, L') long: the row of the full sequence whose mask column each merged key takes (a merged

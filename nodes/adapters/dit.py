@@ -89,6 +89,7 @@ class DiTPatch:
     image_first = False  # the joint sequence is [image, txt] (HunyuanVideo's flipped_img_txt), not [txt, image]
     # submodules of each merged block whose forward is object-patched too (companion_forward makes it)
     companions: tuple[str, ...] = ()
+    declared_attention = None  # the attention function the blocks declare, for our overrides (declared_attention.py)
 
     def __init__(self, runtime: MergeRuntime, scope: str = BLOCK, proportional: bool = False,
                  feed_forward: tuple[str, ...] = ()):
@@ -311,7 +312,7 @@ class DiTPatch:
             return run(args)
         start = layout.lead + (0 if self.image_first else txt_len)
         override = MergedAttention(self.runtime, plan, start, layout.tokens, txt_len + layout.total,
-                                   options.get(ATTENTION_OVERRIDE_KEY), self.proportional)
+                                   options.get(ATTENTION_OVERRIDE_KEY), self.proportional, self.declared_attention)
         return run({**args, "transformer_options": {**options, ATTENTION_OVERRIDE_KEY: override}})
 
     def keys_values_call(self, group: str, args: dict, run, start: int, txt_len: int, layout: ImageLayout,
@@ -330,7 +331,7 @@ class DiTPatch:
         spans = [(start + shift, layout.tokens, plan)] + [(b + shift, e - b, p) for (b, e), p in references
                                                           if p is not None]
         override = MergedKeysValues(self.runtime, spans, txt_len + layout.total, self.proportional,
-                                    options.get(ATTENTION_OVERRIDE_KEY))
+                                    options.get(ATTENTION_OVERRIDE_KEY), self.declared_attention)
         out = run({**args, "transformer_options": {**options, ATTENTION_OVERRIDE_KEY: override}})
         if not override.served:
             self.runtime.unmerged("no self-attention call", "%s blocks called no self-attention over their %d tokens "

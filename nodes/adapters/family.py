@@ -29,12 +29,15 @@ import importlib
 import logging
 import operator
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import placement
 from ..host import WRAPPER_KEY, install_run_hooks, original_attr, sparse_attention_min_tokens
 from ..runtime import MergeRuntime
+from ..runtime.malloc_graph import runs_as_cuda_graph, unless_graphed
+from . import declared_attention
 from .dit import DiTPatch
 from .layout import LayoutStash, merged_blocks
 
@@ -176,9 +179,14 @@ class DiTFamily:
             log.warning("ToMA: this ComfyUI has no model wrapper to read the token grid from; %s returned "
                         "unpatched", name)
             return model
-        blocks = self.blocks(runtime, where.scope, where.proportional, self.feed_forward)
+        scope, declared = declared_attention.settle(where.scope, dm, self, runtime)
+        proportional = where.proportional and scope in placement.KEYS_MERGED
+        if where.proportional and not proportional:  # the declared attention took the override's scope
+            runtime.caveat(placement.proportional_not_honoured(self, scope))
+        blocks = self.blocks(runtime, scope, proportional, self.feed_forward)
+        blocks.declared_attention = declared
         blocks.read_model(dm)
-        if where.proportional and where.scope == placement.ATTENTION:
+        if proportional and scope == placement.ATTENTION:
             runtime.caveat(f"proportional attention is honoured only in {self.name}'s double blocks (scope "
                            "attention); its single blocks run whole on merged tokens without it")
         m = model.clone()
@@ -228,7 +236,8 @@ class DiTFamily:
                         continue
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
                     blocks.took(g.group, previous)
-                m.set_model_patch_replace(BlockPatch(blocks, g.handler, (g.hook, i)), "dit", g.hook, i)
+                patch = BlockPatch(blocks, g.handler, (g.hook, i), getattr(dm, g.blocks)[i])
+                m.set_model_patch_replace(patch, "dit", g.hook, i)
                 self.patch_companions(m, dm, g, i, blocks)
                 merged.append(f"{g.hook} {i}")
         return merged, left, retaken
@@ -259,7 +268,8 @@ class DiTFamily:
                     current, previous = earlier
                     retaken.setdefault(previous, []).append(f"{g.hook} {i}")
                     blocks.took(g.group, previous)
-                m.add_object_patch(key, types.MethodType(getattr(blocks, g.handler)(current, (g.hook, i)), layers[i]))
+                forward = unless_graphed(getattr(blocks, g.handler)(current, (g.hook, i)))
+                m.add_object_patch(key, types.MethodType(forward, layers[i]))
                 merged.append(f"{g.hook} {i}")
         return merged, [], retaken
 
@@ -274,12 +284,17 @@ def wrapped(model, where: str):
 
 class BlockPatch:
     """The "dit" replace patch of one block: ``blocks``' handler named ``handler`` (DiTPatch.double_block,
-    ...), called with the block's identity ``block`` ((hook, index)), which reaches MergeRuntime.plan."""
+    ...), called with the block's identity ``block`` ((hook, index)), which reaches MergeRuntime.plan; the block
+    ``module`` itself runs unmerged where the host replays it from a CUDA graph (malloc_graph.py)."""
 
-    def __init__(self, blocks: DiTPatch, handler: str, block: tuple):
+    def __init__(self, blocks: DiTPatch, handler: str, block: tuple, module=None):
         self.blocks, self.handler, self.block = blocks, handler, block
+        # weakly: a deep copy (every clone's) keeps the reference, never copies the block
+        self.module = weakref.ref(module) if module is not None else lambda: None
 
     def __call__(self, args: dict, extras: dict) -> dict:
+        if runs_as_cuda_graph(self.blocks.runtime, self.module()):
+            return extras["original_block"](args)
         return getattr(self.blocks, self.handler)(args, extras, block=self.block)
 
 

@@ -9,10 +9,14 @@
 - ``stages``: time per merging stage (select, merge, unmerge).
 - ``records``: the plans a run used, as the merge map draws them.
 - ``registry``: MODEL -> its runtimes.
+- ``malloc_graph``: the host's Comfy Compiler: what the pack keeps is made outside its malloc graph.
 """
+from . import malloc_graph
 from .levels import UNET, Level, PlanKey, RunReport, unet_level
 from .merge_runtime import MergeRuntime
 from .registry import OPTIONS_KEY, STACK_KEY, attach_runtime, hold, holds, runtime_of, runtimes_of
+
+malloc_graph.install()  # toma_core's cached tensors too
 
 __all__ = ["UNET", "Level", "PlanKey", "RunReport", "unet_level", "MergeRuntime", "OPTIONS_KEY", "STACK_KEY",
            "attach_runtime", "hold", "holds", "runtime_of", "runtimes_of"]

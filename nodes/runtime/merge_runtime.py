@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..host import sparse_attention_min_tokens
+from . import malloc_graph
 from .levels import Level, LeftTo, LevelStats, RunReport, batch_key, grid_in_words
 from .model_call import ModelCall, compiled_model
 from .pace import HostPace
@@ -105,7 +106,8 @@ class MergeRuntime:
         list, no tensor read)."""
         if message not in self.caveats:
             self.caveats.append(message)
-            log.warning("ToMA: %s: %s", self.name, message)
+            # the pack's prefix, then the method's name unless it is the same ("ToMA: ToMA: ..." read twice)
+            log.warning("ToMA: %s", message if self.name == "ToMA" else f"{self.name}: {message}")
 
     # -- run boundaries -------------------------------------------------------------------------
     def begin_run(self, schedule=None, model_sampling=None):
@@ -298,9 +300,10 @@ class MergeRuntime:
             return None
         if self._loose is not None and self._loose[0] is sigmas:
             return self._loose[1]
-        self._flush_loose()
-        x_batch = None  # the batch is read from the block's tokens by plan()
-        call = self.begin_call(transformer_options, x_batch)
+        with malloc_graph.kept_past_block():  # in a block call: the call's seed and the previous call's counts are kept
+            self._flush_loose()
+            x_batch = None  # the batch is read from the block's tokens by plan()
+            call = self.begin_call(transformer_options, x_batch)
         self._loose = None if call is None else (sigmas, call)
         return call
 
@@ -343,8 +346,8 @@ class MergeRuntime:
         # call of a run's first build and of its later ones the same graph (blocks compiled one by one)
         plan = cached = None if new_destinations else self.plans.by_key.get(key)
         if cached is None or new_weights:
-            try:
-                with self.stage("select"):
+            try:  # the plan outlives the block call: made outside the host's malloc graph (malloc_graph.py)
+                with self.stage("select"), malloc_graph.kept_past_block():
                     given = None if cached is None else getattr(cached, "destinations", None)
                     plan = self.plans.build(call, level, rows, features, given, key)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
