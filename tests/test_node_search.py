@@ -71,8 +71,9 @@ def test_dito_says_what_it_follows_and_where_its_assumptions_are(pack):
 @pytest.mark.parametrize("method, line", [("ToMA", "ToMA: something it does otherwise"),
                                           ("DiTo", "ToMA: DiTo: something it does otherwise")])
 def test_a_caveat_names_the_pack_once(pack, caplog, method, line):
-    runtime = pack.nodes.runtime.MergeRuntime(types.SimpleNamespace(name=method), None,
-                                              types.SimpleNamespace(caveats=()))
+    strategy = types.SimpleNamespace(name=method, schedule=None)
+    placement = types.SimpleNamespace(caveats=(), plan_per_block=False, shared_destinations=False, rotation=0.0)
+    runtime = pack.nodes.runtime.MergeRuntime(strategy, None, placement)
     with caplog.at_level(logging.WARNING, logger="ComfyUI-ToMA"):
         runtime.caveat("something it does otherwise")
     assert [r.getMessage() for r in caplog.records] == [line]
