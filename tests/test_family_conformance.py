@@ -146,9 +146,17 @@ ROWS = {
     "krea2": Row("KREA2", "Krea2", TREE_2026, lambda: models.build_krea2(seed=71),
                  text(models.KREA2_TINY["txtlayers"] * models.KREA2_TINY["txtdim"]), 16, 2, IMAGE, (23, 40),
                  "diffusion_model.blocks.2.attn.wv.weight", frame_axis=True),
+    # Qwen-Image 2.1 as its model file is now (prefix pass, in-place residual, malloc-graph bracketing, FunControl)
+    # and as it first was (b806797): the stand-in builds either (qwen_image21.build's follows); the prefix cache is on
+    # in every run (the model's default), so every step after the first runs the target's rows alone
     "qwen_image21": Row("QWEN_IMAGE21", "QwenImage21", TREE_2026, lambda: qwen_image21().build(seed=81),
                         text(QWEN_IMAGE21_TEXT), 64, 1, {"odd": (13, 19), "square": (8, 8)}, (11, 40),
                         "diffusion_model.transformer_blocks.2.img_mlp.out.weight", stand_in="toma_bench.qwen_image21"),
+    "qwen_image21_first": Row("QWEN_IMAGE21", "QwenImage21", TREE_2026,
+                              lambda: qwen_image21().build(seed=81, follows=qwen_image21().FOLLOWS),
+                              text(QWEN_IMAGE21_TEXT), 64, 1, {"odd": (13, 19), "square": (8, 8)}, (11, 40),
+                              "diffusion_model.transformer_blocks.2.img_mlp.out.weight",
+                              stand_in="toma_bench.qwen_image21"),
     "minimax_h3": Row("MINIMAX_H3", "MiniMaxH3", TREE_2026, lambda: models.build_minimax_h3(seed=61),
                       text(models.MINIMAX_H3_TINY["text_dim"]), models.MINIMAX_H3_TINY["latents_dim"], 2,
                       {"odd": (13, 19), "square": (12, 12)}, (11, 40), "diffusion_model.blocks.2.attn.qkv_proj.weight",
@@ -389,7 +397,7 @@ def test_two_stacked_nodes_the_nearer_merges_and_each_says_what_it_merged(pack, 
 KEYS_VALUES = {"scope": "keys/values"}
 NO_ATTENTION_OVERRIDE = {"sd3"}
 # keys/values without proportional attention: Qwen-Image 2.1's extra key channels would reach its cached prefix keys
-NO_PROPORTIONAL = {"qwen_image21"}
+NO_PROPORTIONAL = {"qwen_image21", "qwen_image21_first"}
 
 
 def fell_back(caplog) -> bool:
@@ -502,7 +510,7 @@ BREAKS_OUTSIDE_BLOCKS = {"minimax_h3": "MiniMax-H3's forward reads its timestep 
 # forward compares its prefix cache key on the host (torch.equal) to pick the cache's slot, a break per traced call
 # patched or not (their count follows the recompiles); with the cache off (the QwenImage21Cache node's device "off")
 # it compiles in one graph, so ToMA's blocks are checked to compile clean there
-COMPILED_WITH = {"qwen_image21": {"qwen_image21_cache": {"device": "off"}}}
+COMPILED_WITH = {name: {"qwen_image21_cache": {"device": "off"}} for name in ("qwen_image21", "qwen_image21_first")}
 
 
 def check_feed_forward_steps_aside_under_compile(pack, row, model):
