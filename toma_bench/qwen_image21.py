@@ -4,7 +4,8 @@ pack's adapter meets it as it would meet the real one.
 
 Qwen-Image 2.1 arrived in ComfyUI v0.37.0 (PR #16400). No tree that has it can be fetched whole here, so this
 follows Comfy-Org/ComfyUI's files read one at a time, each the one version the index holds:
-comfy/ldm/qwen_image21/model.py at b806797696c10b92c8db8687b8842acf34db8d97 (the model),
+comfy/ldm/qwen_image21/model.py at b806797696c10b92c8db8687b8842acf34db8d97 (the model's first version; the newest
+read, which ``installed()`` puts in place and ``build`` makes by default, is qwen_image21_later's),
 comfy/model_base.py at 094c74c1b7f9cd5cdd9015741e8eb26acff1142a (``QwenImage21``),
 comfy/supported_models.py at 01f03bbdc7df9462d3fc4c0918f80049333450f3 (``QwenImage21``), comfy/latent_formats.py
 (``QwenImage21``: 64 channels at /16) and comfy/ldm/modules/attention.py at 05080f6022b2572df36a0aa6bcba413209c3d265
