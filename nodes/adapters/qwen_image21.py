@@ -23,7 +23,8 @@ attention call of this model dense (its queries and keys differ in length: the t
 keys too; the text segments' do too), so ToMA merges beside it (said once).
 
 Few steps: a run of at most FEW_STEPS (a turbo LoRA's 4 to 8) is said once per patched model, with what ToMA does
-there (FEW_STEPS_NOTICE); the merging is the same as at 40 steps but for the short-run rule's new plan every step.
+there (FEW_STEPS_NOTICE); the merging is the same as at 40 steps but for the short-run rule (a new plan every step
+at scope auto), which the runtime logs beside it.
 
 Which blocks: one group of whole layers over the joint sequence, like Flux's single blocks: 28 of the 32.
 
@@ -47,11 +48,10 @@ NO_PROPORTIONAL = ("proportional attention is not honoured on Qwen-Image 2.1 wit
 # A turbo LoRA samples Qwen-Image 2.1 in 4 to 8 steps (its 40 by default): said once per patched model where the run
 # has at most this many steps (read from its sigmas; the LoRA itself cannot be told from the weights' patches)
 FEW_STEPS = 8
-FEW_STEPS_NOTICE = ("Qwen-Image 2.1 in %d steps (a turbo LoRA samples in 4 to 8): the model still computes its prefix (text, "
-                    "references) once per run and ToMA merges only the target, so each step saves what it saves at 40 "
-                    "steps; a run of at most 8 steps builds a new merge plan every step, and with fewer steps each "
-                    "merged step's error weighs more: if details suffer, lower the ratio (0.3) or start merging later "
-                    "(start_percent)")
+FEW_STEPS_NOTICE = ("Qwen-Image 2.1 in %d steps (a turbo LoRA samples in 4 to 8): the model computes its prefix "
+                    "(text, references) once per run from its cache, which ToMA leaves on, and ToMA merges only the "
+                    "target, so each step saves what it saves at 40 steps; with fewer steps each merged step's error "
+                    "weighs more: if details suffer, lower the ratio (0.3) or start merging later (start_percent)")
 BESIDE_SPARSE = ("core's Model Sparse Attention runs Qwen-Image 2.1's attention dense (its queries and keys differ in "
                  "length: the target attends to the prefix too), so ToMA merges its blocks beside it")
 
