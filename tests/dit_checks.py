@@ -214,3 +214,26 @@ def compile_count(model, sample, backend="eager"):
     with compiling.constant_free_memory(), compiling.counting() as count:
         sample(compiling.compiled(model, backend=backend))
     return count
+
+
+def attention_lengths(model):
+    """(``model`` with an attention override of its own that records (query, key) lengths of every attention
+    call, the list they go to): the pack's override chains to it, so it sees what the attention runs on."""
+    seen = []
+
+    def record(func, q, k, v, heads, *args, **kwargs):
+        axis = 2 if kwargs.get("skip_reshape") or (len(args) > 2 and args[2]) else 1
+        seen.append((q.shape[axis], k.shape[axis]))
+        return func(q, k, v, heads, *args, **kwargs)
+
+    counted = model.clone()
+    counted.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = record
+    return counted, seen
+
+
+def assert_keys_merged(unpatched, patched, tokens):
+    """The (query, key) lengths of a patched run's attention calls against the unpatched run's: some call sees
+    fewer keys, each such call half the grid's ``tokens`` fewer (within 1/16: rounding per edge window)."""
+    assert len(patched) == len(unpatched)
+    fewer = [full - merged for (_, full), (_, merged) in zip(unpatched, patched) if merged != full]
+    assert fewer and all(abs(f - tokens / 2) <= tokens / 16 for f in fewer), fewer

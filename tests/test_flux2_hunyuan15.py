@@ -107,3 +107,66 @@ def test_hunyuan15_merging_into_every_token_reproduces_the_unpatched_model(pack,
     dit_checks.check_merging_only_permutes(patched, model, lambda m: sample_hunyuan15(m, variant, batch=2, cfg=2.0))
     assert sorted(runtime.summary()["levels"]) == ["two-stream 3x7x9"]
 
+
+
+# Issue 46 part 6: its model (HUNYUAN_VIDEO15_BYT5_TINY, weights by models.normal_init_) and inputs
+ISSUE46_LATENT = (32, 3, 13, 19)
+
+
+def sample_issue46(model):
+    config = models.HUNYUAN_VIDEO15_BYT5_TINY
+    g = torch.Generator().manual_seed(46)
+    conditioning = models.text_conditioning(
+        config["context_in_dim"], 1, 16, 0, pooled_output=None,
+        conditioning_byt5small=torch.randn(1, 8, models.BYT5_WIDTH, generator=g),
+        clip_vision_output=types.SimpleNamespace(last_hidden_state=torch.randn(1, 9, config["vision_in_dim"],
+                                                                               generator=g)))
+    return sampling.sample(model, conditioning, torch.zeros(1, *ISSUE46_LATENT), steps=2, scheduler="simple")
+
+
+def unit_qk_init_(module, seed):
+    """Issue 46's draw with every norm scale 1 (the QK-norms' too, as the other builders leave them)."""
+    models.normal_init_(module, seed)
+    models._unit_norm_scales_(module)
+
+
+def test_near_uniform_attention_makes_proportional_merges_exact(pack, monkeypatch):
+    """Issue 46 part 6: on its model ratio 0.5 with proportional attention changed the output by 2.5e-6. The merge
+    runs (the attention sees half the grid's keys fewer); the weights make it exact: their QK-norm scales are near
+    0.01, so every attention map is near uniform, and a near-uniform map over merged keys each weighted by its
+    group's size is the unmerged map. Without proportional attention, or with unit QK-norm scales, the same merge
+    changes the output by far more than the conformance floor. A merge that never reaches the attention leaves the
+    stats as they were, and the keys the attention sees catch it."""
+    require("HunyuanVideo15")
+    config, tokens = models.HUNYUAN_VIDEO15_BYT5_TINY, ISSUE46_LATENT[1] * ISSUE46_LATENT[2] * ISSUE46_LATENT[3]
+    issue = models.build_hunyuan_video15(seed=52, config=config, init=models.normal_init_)
+    scales = [p for name, p in issue.model.diffusion_model.named_parameters() if name.endswith("norm.scale")]
+    assert scales and max(float(p.detach().abs().max()) for p in scales) < 0.05
+    counted, seen = dit_checks.attention_lengths(issue)
+    reference = sample_issue46(counted)
+    unpatched = list(seen)
+
+    def change(model, **options):
+        seen.clear()
+        patched, runtime = dit_checks.toma_patched(pack, model, scope="keys/values", **options)
+        out = sample_issue46(patched)
+        assert runtime.summary()["levels"] and not runtime.report().unmerged
+        measured = relative_l2(out, reference if model is counted else sample_issue46(model))
+        print(f"issue 46 part 6: {'issue weights' if model is counted else 'unit QK-norm scales'}, {options}: "
+              f"relative change {measured:.3g}")  # the notebook's figures (pytest -s)
+        return measured
+
+    assert change(counted, proportional_attention=True) < dit_checks.MERGED_FLOOR
+    dit_checks.assert_keys_merged(unpatched, seen, tokens)
+    assert change(counted) > 10 * dit_checks.MERGED_FLOOR
+    unit = models.build_hunyuan_video15(seed=52, config=config, init=unit_qk_init_)
+    assert change(unit, proportional_attention=True) > 10 * dit_checks.MERGED_FLOOR
+
+    def unmerged_call(self, func, q, k, v, heads, *args, **kwargs):  # a merge that never reaches the attention
+        self.served = True
+        return self.attend(func, q, k, v, heads, *args, **kwargs)
+
+    monkeypatch.setattr(pack.nodes.adapters.attention_override.MergedKeysValues, "__call__", unmerged_call)
+    assert change(counted, proportional_attention=True) < dit_checks.MERGED_FLOOR
+    with pytest.raises(AssertionError):
+        dit_checks.assert_keys_merged(unpatched, seen, tokens)

@@ -5,7 +5,9 @@ stand-in keeps what the adapter relies on of ComfyUI's model (names, signatures,
 attn1_patch's img_slice).
 
 They run on ComfyUI's own Qwen-Image 2.1 where the tree has it (v0.37.0 on), else on toma_bench's stand-in, which
-needs ComfyUI v0.33.0's fused kernels: in older trees they skip, saying why.
+needs ComfyUI v0.33.0's fused kernels: in older trees they skip, saying why. The stand-in runs every check at both
+versions of the model file it follows (the first, b806797, and the newest read: a pass over the prefix alone fills
+the cache, blocks add their residual in place, the malloc graph brackets them, a FunControl branch).
 """
 import importlib
 import inspect
@@ -37,10 +39,19 @@ def q21(pack):
         yield module
 
 
-@pytest.fixture(scope="module")
-def model(q21):
+# the versions of the model file the stand-in follows: the first (b806797) and the newest read
+VERSIONS = ("b806797696c10b92c8db8687b8842acf34db8d97", "dd85c0c61865080444635c1ab2264f64cd8013ce")
+
+
+@pytest.fixture(scope="module", params=VERSIONS, ids=["first", "newest"])
+def model(q21, request):
+    """The model at each version of its file (ComfyUI's own, once, where the tree has it)."""
     torch.set_num_threads(1)
-    return q21.build(seed=91)
+    if q21.host_has_it() and q21.tree_class("comfy.supported_models") is not q21.QwenImage21Config:
+        if request.param != VERSIONS[-1]:
+            pytest.skip("this ComfyUI has a Qwen-Image 2.1 of its own: its version alone")
+        return q21.build(seed=91)
+    return q21.build(seed=91, follows=request.param)
 
 
 def conditioning(q21, references=False, **options):
@@ -261,3 +272,172 @@ def test_beside_core_sparse_attention_toma_merges_and_says_why(q21, pack, model,
     assert sparse.calls and not sparse.sparse_calls()
     lines = [line for _, data, _ in sent if data.get("node") == "toma" for line in data["lines"]]
     assert any("runs Qwen-Image 2.1's attention dense" in line for line in lines)
+
+
+# -- what the newest version of the model file changed (issue 46 part 3) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def versions(q21):
+    """{version: the model at that version of its file}, both from one seed (the stand-in's versions only)."""
+    if q21.tree_class("comfy.supported_models") is not q21.QwenImage21Config:
+        pytest.skip("this ComfyUI has a Qwen-Image 2.1 of its own: the stand-in's versions are not built")
+    return {version: q21.build(seed=92, follows=version) for version in VERSIONS}
+
+
+def block_calls(model):
+    """(a context recording each block call of ``model`` as (block, x's rows, prefix_len, whether it returned its
+    own input), the list)."""
+    import contextlib
+
+    calls, handles = [], []
+
+    @contextlib.contextmanager
+    def recording():
+        for i, block in enumerate(model.model.diffusion_model.transformer_blocks):
+            handles.append(block.register_forward_hook(
+                lambda module, args, out, i=i: calls.append((i, args[0].shape[1], args[4], out is args[0]))))
+        try:
+            yield calls
+        finally:
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+    return recording()
+
+
+def test_the_newest_version_fills_the_cache_in_a_prefix_pass_and_toma_merges_as_on_the_first(q21, pack, versions):
+    """The newest model file runs each block over the prefix alone to fill the cache, then the target's rows alone
+    (prefix_len 0) from the first step; its blocks add their residual into their input in place. Through a whole
+    3-step run with the prefix cache on, ToMA merges the target at either version and samples the same latent at
+    both (block and keys/values)."""
+    prefix, tokens = TEXT + REFERENCE[0] * REFERENCE[1], SIZE[0] * SIZE[1]
+    newest, first = versions[VERSIONS[-1]], versions[VERSIONS[0]]
+    with block_calls(newest) as calls:
+        sample(q21, newest, references=True, steps=1)
+    blocks = len(newest.model.diffusion_model.transformer_blocks)
+    assert sorted(calls) == sorted([(i, prefix, prefix, True) for i in range(blocks)] +
+                                   [(i, tokens, 0, True) for i in range(blocks)])
+    with block_calls(first) as calls:
+        sample(q21, first, references=True, steps=1)
+    assert calls == [(i, prefix + tokens, prefix, False) for i in range(blocks)]
+    for scope in ("block", "keys/values"):
+        outs = []
+        for model in (first, newest):
+            patched, runtime = dit_checks.toma_patched(pack, model, scope=scope)
+            assert cache_steps(model, lambda: outs.append(sample(q21, patched, references=True))) == [False, True, True]
+            assert runtime.summary()["levels"]["joint 13x19"]["steps"] == 3
+            assert runtime.summary()["levels"]["joint 13x19"]["merged_tokens"] == 124
+            assert not runtime.report().unmerged
+        assert relative_l2(outs[1], outs[0]) < 1e-6 and 0 < relative_l2(outs[1], sample(q21, newest, True)) < 0.25
+
+
+def test_the_malloc_graph_brackets_the_blocks_and_toma_merges_inside_it(q21, pack, versions, monkeypatch):
+    """Where comfy.model_prefetch has the malloc-graph API (the Comfy Compiler, v0.34 on; here a recording stand-in
+    of it), the newest model runs its blocks between malloc_graph_begin and malloc_graph_end, each after
+    prefetch_queue_pop(..., malloc_scope="block"), the prefix pass under pause_malloc_graph; ToMA merges the same
+    inside it. Without the API (ComfyUI v0.33.0) the model calls none of it."""
+    import contextlib
+
+    import comfy.model_prefetch
+
+    events = []
+
+    @contextlib.contextmanager
+    def pause(sync=False):
+        events.append("pause")
+        yield
+        events.append("resume")
+
+    def pop(queue, device, module, dtype=None, malloc_scope=None, **kwargs):
+        events.append(("pop", module is None, malloc_scope))
+
+    model = versions[VERSIONS[-1]]
+    patched, runtime = dit_checks.toma_patched(pack, model)
+    without = sample(q21, patched, references=True, steps=2)
+    api = {"malloc_graph_begin": lambda device: events.append("begin"), "malloc_graph_end": lambda: events.append("end"),
+           "pause_malloc_graph": pause, "make_prefetch_queue": lambda queue, device, options: None,
+           "prefetch_queue_pop": pop}
+    for name, function in api.items():
+        monkeypatch.setattr(comfy.model_prefetch, name, function, raising=False)
+    with block_calls(model) as calls:
+        out = sample(q21, patched, references=True, steps=2)
+    blocks = len(model.model.diffusion_model.transformer_blocks)
+    fill = ["begin"] + [e for _ in range(blocks) for e in (("pop", False, "block"), "pause", "resume")]
+    cached = ["begin"] + [("pop", False, "block")] * blocks
+    assert events == fill + [("pop", True, "block"), "end"] + cached + [("pop", True, "block"), "end"]
+    assert len(calls) == 3 * blocks and torch.equal(out, without)
+    assert runtime.summary()["levels"]["joint 13x19"]["merged_tokens"] == 124 and not runtime.report().unmerged
+
+
+class FunControlDriver:
+    """What core's QwenImage21FunControlPatch does with the model's FunControl branch (comfy_extras/
+    nodes_model_patch.py, PR #16519): a "dit" replace patch on every other block that keeps the first one's input,
+    starts the control stream from it after that block, steps the stream with the block's own ``mod``, ``pe``,
+    ``attn_fn`` and ``prefix_len`` (the args the newest model passes) and adds its skip to the block's output."""
+
+    def __init__(self, control, tokens, strength=1.0):
+        self.control, self.tokens, self.strength = control, tokens, strength
+        self.layers = list(range(0, 2 * len(control.control_blocks), 2))
+        self.pristine = self.stream = None
+        self.streams = []  # the rows of the stream at each step of the branch
+
+    def __call__(self, args, extra):
+        index = self.layers.index(args["transformer_options"]["block_index"])
+        if index == 0:
+            self.pristine = args["img"].clone()  # the base block adds into its input in place
+        out = extra["original_block"](args)
+        if index == 0:
+            self.stream = self.control.init_stream(self.pristine, self.tokens, args["prefix_len"])
+        self.stream, skip = self.control.step(index, self.stream, args["mod"], args["pe"], args["attn_fn"],
+                                              args["prefix_len"], args["transformer_options"])
+        self.streams.append(self.stream.shape[1])
+        out["img"].add_(skip, alpha=self.strength)
+        return out
+
+    def apply(self, model):
+        clone = model.clone()
+        for layer in self.layers:
+            clone.set_model_patch_replace(self, "dit", "single_block", layer)
+        return clone
+
+
+def test_beside_the_fun_control_branch_toma_merges_the_base_blocks(q21, pack, versions):
+    """The newest file's FunControl branch, driven as core drives it: its "dit" replace patches turn the prefix cache
+    off and its control blocks run on the whole sequence with the base block's arguments. ToMA (its blocks
+    object-patched) merges the base blocks' target beside it, ratio 0 samples as the branch alone, and the branch's
+    stream keeps every row."""
+    import comfy.ops
+
+    from toma_bench import models
+
+    later = importlib.import_module(q21.MODULE)
+    dm = versions[VERSIONS[-1]].model.diffusion_model
+    control = later.QwenImage21FunControl(num_blocks=3, inner_dim=dm.inner_dim, attention_head_dim=q21.TINY["attention_head_dim"],
+                                          operations=comfy.ops.disable_weight_init)
+    models.init_weights_(control, seed=5)
+    tokens = torch.randn(1, SIZE[0] * SIZE[1], 129, generator=torch.Generator().manual_seed(6))
+    model = versions[VERSIONS[-1]]
+    driver = FunControlDriver(control, tokens)
+    alone = driver.apply(model)
+    out = sample(q21, alone)
+    assert relative_l2(out, sample(q21, model)) > 1e-3
+    assert cache_steps(model, lambda: sample(q21, alone)) == []
+    assert set(driver.streams) == {TEXT + SIZE[0] * SIZE[1]}
+    dit_checks.check_ratio_zero_identical(pack, alone, lambda m: sample(q21, m))
+    patched, runtime = dit_checks.toma_patched(pack, alone)
+    assert 0 < relative_l2(sample(q21, patched), out) < 0.25
+    assert runtime.summary()["levels"]["joint 13x19"]["merged_tokens"] == 124 and not runtime.report().unmerged
+
+
+def test_a_few_step_run_says_once_what_toma_does_there(q21, pack, model, caplog):
+    """A run of 4 to 8 steps (a turbo LoRA's) logs once per patched model what ToMA does at few steps; a run of 9
+    steps does not."""
+    notice = pack.nodes.adapters.qwen_image21.FEW_STEPS_NOTICE.split("%d")[0]
+    patched, _ = dit_checks.toma_patched(pack, model)
+    with caplog.at_level("WARNING", logger=dit_checks.LOGGER):
+        sample(q21, patched, steps=9)
+        assert not [r for r in caplog.records if r.getMessage().startswith("ToMA: " + notice)]
+        sample(q21, patched, steps=4)
+        sample(q21, patched, steps=6)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ToMA: " + notice)]
+    assert said == ["ToMA: " + pack.nodes.adapters.qwen_image21.FEW_STEPS_NOTICE % 4]

@@ -64,6 +64,23 @@ def init_weights_(module: torch.nn.Module, seed: int, draw_device=None) -> torch
     return module
 
 
+def normal_init_(module: torch.nn.Module, seed: int, vector_std: float = 0.01) -> torch.nn.Module:
+    """Issue 46's draw (part 6), from a seeded generator: every matrix N(0, 1/fan_in), every parameter named as a
+    norm's weight 1, every other vector (biases, and the QK-norms' ``scale``, named otherwise) N(0, vector_std^2).
+    Its QK-norm scales near 0.01 shrink every query and key a hundredfold, so each attention map is near uniform:
+    there proportional attention reproduces unmerged attention whatever the merge (docs/notebook.md, 2026-12-07)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * p[0].numel() ** -0.5)
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * vector_std)
+    return module
+
+
 def build_unet(arch: str = "sd15", seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None,
                draw_device=None):
     """A ComfyUI ModelPatcher around a random-weight UNet: arch "sd15" or "sdxl" (config overrides);
@@ -632,16 +649,20 @@ def build_flux2(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict 
 
 
 def build_hunyuan_video15(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None,
-                          device=None, sr: bool = False):
+                          device=None, sr: bool = False, init=None):
     """A ComfyUI ModelPatcher around a random-weight HunyuanVideo 1.5 (HUNYUAN_VIDEO15_TINY unless
-    ``config``); ``sr``: the distilled super-resolution model (HUNYUAN_VIDEO15_SR_TINY by default)."""
+    ``config``); ``sr``: the distilled super-resolution model (HUNYUAN_VIDEO15_SR_TINY by default); ``init(module,
+    seed)`` draws the diffusion model's weights again (normal_init_: issue 46's)."""
     import comfy.supported_models
 
     if sr:
         family, default = comfy.supported_models.HunyuanVideo15_SR_Distilled, HUNYUAN_VIDEO15_SR_TINY
     else:
         family, default = comfy.supported_models.HunyuanVideo15, HUNYUAN_VIDEO15_TINY
-    return _patcher(_random_dit(family(dict(config or default)), seed, dtype, device))
+    base = _random_dit(family(dict(config or default)), seed, dtype, device)
+    if init is not None:
+        init(base.diffusion_model, seed)
+    return _patcher(base)
 
 
 # HiDream-I1 (17B; Full, Dev and Fast share it), as ComfyUI's model_detection reads it: 16 double-stream and 32

@@ -4,7 +4,8 @@ pack's adapter meets it as it would meet the real one.
 
 Qwen-Image 2.1 arrived in ComfyUI v0.37.0 (PR #16400). No tree that has it can be fetched whole here, so this
 follows Comfy-Org/ComfyUI's files read one at a time, each the one version the index holds:
-comfy/ldm/qwen_image21/model.py at b806797696c10b92c8db8687b8842acf34db8d97 (the model),
+comfy/ldm/qwen_image21/model.py at b806797696c10b92c8db8687b8842acf34db8d97 (the model's first version; the newest
+read, which ``installed()`` puts in place and ``build`` makes by default, is qwen_image21_later's),
 comfy/model_base.py at 094c74c1b7f9cd5cdd9015741e8eb26acff1142a (``QwenImage21``),
 comfy/supported_models.py at 01f03bbdc7df9462d3fc4c0918f80049333450f3 (``QwenImage21``), comfy/latent_formats.py
 (``QwenImage21``: 64 channels at /16) and comfy/ldm/modules/attention.py at 05080f6022b2572df36a0aa6bcba413209c3d265
@@ -345,6 +346,7 @@ class PrefixCache:
 
 
 class QwenImage21Transformer2DModel(nn.Module):
+    block_class = QwenImage21TransformerBlock  # what later versions change (qwen_image21_later)
     def __init__(self, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128, num_attention_heads=32,
                  context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56), eps=1e-6, fused_mlp=True,
                  image_model=None, dtype=None, device=None, operations=None):
@@ -361,7 +363,7 @@ class QwenImage21Transformer2DModel(nn.Module):
         self.modulation = nn.Sequential(nn.SiLU(), operations.Linear(self.inner_dim, 4 * self.inner_dim, bias=False,
                                                                      dtype=dtype, device=device))
         self.transformer_blocks = nn.ModuleList([
-            QwenImage21TransformerBlock(self.inner_dim, num_attention_heads, attention_head_dim, mlp_ratio=mlp_ratio,
+            self.block_class(self.inner_dim, num_attention_heads, attention_head_dim, mlp_ratio=mlp_ratio,
                                         eps=eps, fused_mlp=fused_mlp, dtype=dtype, device=device, operations=operations)
             for _ in range(num_layers)])
         self.norm_out = LastLayer(self.inner_dim, eps=eps, dtype=dtype, device=device, operations=operations)
@@ -512,7 +514,7 @@ class QwenImage21Base(comfy.model_base.QwenImage):
     cleanup), and off while hooks can patch weights mid-run."""
 
     def __init__(self, model_config, model_type=comfy.model_base.ModelType.FLUX, device=None):
-        super().__init__(model_config, model_type, device=device, unet_model=QwenImage21Transformer2DModel)
+        super().__init__(model_config, model_type, device=device, unet_model=model_module().QwenImage21Transformer2DModel)
 
     @property
     def current_patcher(self):
@@ -576,9 +578,9 @@ def installed():
 
     package = types.ModuleType("comfy.ldm.qwen_image21")
     package.__path__ = []
-    package.model = sys.modules[__name__]
+    package.model = model_module()
     saved = {name: sys.modules.get(name) for name in (package.__name__, MODULE)}
-    sys.modules[package.__name__], sys.modules[MODULE] = package, sys.modules[__name__]
+    sys.modules[package.__name__], sys.modules[MODULE] = package, package.model
     setattr(comfy.ldm, PACKAGE_LEAF, package)
     for module, name, stand_in in PLACES:
         setattr(sys.modules[module], name, stand_in)
@@ -605,13 +607,26 @@ def tree_class(module: str, name: str = "QwenImage21"):
     return vars(sys.modules[module])[name]
 
 
-def build(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None):
+def model_module():
+    """The stand-in's model module, as ComfyUI's comfy.ldm.qwen_image21.model: qwen_image21_later, whose model
+    class builds either version (its ``follows``)."""
+    from . import qwen_image21_later
+    return qwen_image21_later
+
+
+def build(seed: int = 0, dtype: torch.dtype = torch.float32, config: dict | None = None, device=None,
+          follows: str | None = None):
     """A ComfyUI ModelPatcher around a random-weight Qwen-Image 2.1 (TINY unless ``config``), built from
     ``comfy.supported_models.QwenImage21`` as ComfyUI builds a checkpoint of it: the tree's own class, or inside
-    ``installed()`` the stand-in. The shared modulation's weights are scaled up by MODULATION_GAIN."""
+    ``installed()`` the stand-in, whose model file follows the commit ``follows`` (model_module; a tree with a
+    Qwen-Image 2.1 of its own builds that). The shared modulation's weights are scaled up by MODULATION_GAIN."""
     from . import models
 
-    base = models._random_dit(tree_class("comfy.supported_models")(dict(config or TINY)), seed, dtype, device)
+    model_module().check_version(follows)
+    config, model_config = dict(config or TINY), tree_class("comfy.supported_models")
+    if model_config is QwenImage21Config:
+        config["follows"] = follows
+    base = models._random_dit(model_config(config), seed, dtype, device)
     with torch.no_grad():
         base.diffusion_model.modulation[1].weight.mul_(MODULATION_GAIN)
     return models._patcher(base)

@@ -22,12 +22,18 @@ channels would reach the cached prefix keys, which keep the head width. Core's M
 attention call of this model dense (its queries and keys differ in length: the target's queries see the prefix's
 keys too; the text segments' do too), so ToMA merges beside it (said once).
 
+Few steps: a run of at most FEW_STEPS (a turbo LoRA's 4 to 8) is said once per patched model, with what ToMA does
+there (FEW_STEPS_NOTICE); the merging is the same as at 40 steps but for the short-run rule (a new plan every step
+at scope auto), which the runtime logs beside it.
+
 Which blocks: one group of whole layers over the joint sequence, like Flux's single blocks: 28 of the 32.
 
 Token grid: the DIFFUSION_MODEL executor runs around ``_forward(x, timesteps, context, ref_latents, image_slots,
 transformer_options)``, which sees the latent (B, 64, H, W): one token per latent pixel. Later trees (ComfyUI PR
 #16519) fill the cache in a pass of each block over the prefix alone (x the prefix, prefix_len its length): that
-call has no target and runs as it is, uncounted.
+call has no target and runs as it is, uncounted; the target's rows then run by themselves (prefix_len 0) from the
+first step, and each block adds its residual into its input in place (the merged call hands it a merged copy, never
+the model's own rows).
 """
 import torch
 
@@ -40,6 +46,13 @@ BLOCK_PARAMETERS = ("x", "mod", "pe", "attn_fn", "prefix_len")
 PATCH_SIZE = 1  # latent pixels per token (the VAE's 16x16 patches are the latent's 64 channels)
 NO_PROPORTIONAL = ("proportional attention is not honoured on Qwen-Image 2.1 with scope keys/values (its extra key "
                    "channels would reach the prefix keys the model caches): merged keys weigh as one")
+# A turbo LoRA samples Qwen-Image 2.1 in 4 to 8 steps (its 40 by default): said once per patched model where the run
+# has at most this many steps (read from its sigmas; the LoRA itself cannot be told from the weights' patches)
+FEW_STEPS = 8
+FEW_STEPS_NOTICE = ("Qwen-Image 2.1 in %d steps (a turbo LoRA samples in 4 to 8): the model computes its prefix "
+                    "(text, references) once per run from its cache, which ToMA leaves on, and ToMA merges only the "
+                    "target, so each step saves what it saves at 40 steps; with fewer steps each merged step's error "
+                    "weighs more: if details suffer, lower the ratio (0.3) or start merging later (start_percent)")
 BESIDE_SPARSE = ("core's Model Sparse Attention runs Qwen-Image 2.1's attention dense (its queries and keys differ in "
                  "length: the target attends to the prefix too), so ToMA merges its blocks beside it")
 
@@ -105,6 +118,9 @@ class QwenImage21Patch(DiTPatch):
             options = patch.call_options(args)
             if options is None:
                 return run(args)["img"]
+            total = patch.runtime.steps.total
+            if total is not None and total <= FEW_STEPS:
+                patch.runtime.notice(FEW_STEPS_NOTICE, total, key=FEW_STEPS_NOTICE)
             layout = options[LAYOUT_KEY]
             if (not patch.tokens_fit(x.shape[1] - prefix_len, layout.total, options)
                     or not patch.positions_fit_or_count(args, JOINT, prefix_len, layout)):
