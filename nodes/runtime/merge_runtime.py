@@ -22,6 +22,7 @@ from .levels import Level, LeftTo, LevelStats, PlanKey, RunReport, batch_key, gr
 from .pace import ENV, REASON, HostPace
 from .records import record_plan
 from .stages import StageClock
+from .step_caches import CacheStack
 from .steps import StepLocator, Where
 
 log = logging.getLogger("ComfyUI-ToMA")
@@ -79,6 +80,7 @@ class MergeRuntime:
         self.placement = placement  # where the node merges (placement.Placement): plans per block, shared destinations
         self.pace = pace  # the rule that stops merging for a run where the host sets the pace (None: no rule)
         self.name = strategy.name
+        self.stack = CacheStack(strategy)  # a step cache on the model being sampled, and the strategy beside it
         self.steps = StepLocator(model_sampling)
         self.stages = StageClock(("select", "merge", "unmerge"))
         self.run_listeners = []  # called with summary() when a run ends (the live stats)
@@ -164,6 +166,7 @@ class MergeRuntime:
             cache.clear()
         self._call = self._loose = self._kept = None
         self.stages.reset()
+        self.strategy = self.stack.begin_run()
         self.strategy.schedule.reset()
         if self.pace is not None:
             self.pace.reset()
@@ -319,6 +322,7 @@ class MergeRuntime:
         where = self.locate(transformer_options)
         if where is None:
             return None
+        self.strategy = self.stack.settle(transformer_options, self.strategy)  # a run's first call: a step cache?
         return self.call_at(where, transformer_options["sigmas"].device, batch,
                             tuple(transformer_options.get("cond_or_uncond") or ()))
 
@@ -578,7 +582,8 @@ class MergeRuntime:
             unmerged=dict(self._unmerged),
             seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall, caveats=tuple(self.caveats),
             untimed=self.stages.untimed, host_paced=None if self.pace is None else self.pace.summary(),
-            rotation=float(getattr(self.strategy, "rotation", 0.0)), destinations_kept=kept)
+            rotation=float(getattr(self.strategy, "rotation", 0.0)), destinations_kept=kept,
+            step_cache=self.stack.summary())
 
     def summary(self) -> dict:
         """The report as JSON (``RunReport.summary``), what the run listeners get."""
