@@ -49,13 +49,12 @@ def watched(patched, runtime: MergeRuntime, unique_id):
     return patched
 
 
-def patch_with(model, name: str, settle, strategy_of, unique_id=None, ratio_auto: bool | None = None):
+def patch_with(model, name: str, settle, strategy_of, unique_id=None, stacks: bool = False):
     """Patch ``model`` through the adapter of its family; unsupported: ``model`` unpatched. ``settle(adapter)``
     is where the node merges on that family (placement.settle), ``strategy_of(placement)`` the method as it
     merges there. ``unique_id``: the patch node's id, to which the live stats of each sampling run are sent.
-    ``ratio_auto``: None where the method runs as it is beside a step cache (the baselines); else it takes
-    the stack setting of a cache found when sampling starts (runtime/step_caches.py), its ratio too where the
-    node's ratio is auto."""
+    ``stacks``: whether the method takes the stack setting of a step cache found when sampling starts
+    (runtime/step_caches.py: ToMA at an auto ratio); otherwise it merges as set beside one, and says so."""
     adapter = adapter_for(model)
     if adapter is None:
         log.warning("ToMA: %s is not supported by %s (supported: %s); returning the model unpatched",
@@ -66,8 +65,7 @@ def patch_with(model, name: str, settle, strategy_of, unique_id=None, ratio_auto
     # ToMA stops merging for a run where the host sets its pace (runtime/pace.py); the baselines run as published
     pace = HostPace() if isinstance(strategy, ToMA) and rule_on() else None
     runtime = MergeRuntime(strategy, model_sampling_of(model), where, pace)
-    if ratio_auto is not None:
-        runtime.stack = CacheStack(strategy, adapts=True, ratio_auto=ratio_auto)
+    runtime.stack = CacheStack(strategy, adapts=stacks)
     patched = adapter.patch(model, runtime, where)
     return patched if patched is model else watched(patched, runtime, unique_id)
 
@@ -214,7 +212,7 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                      proportional_attention=proportional_attention, shared_destinations=shared_destinations,
                      rotation=rotation)
         preset = preset_of(model)
-        ratio_auto = ratio == AUTO_RATIO  # beside a step cache an auto ratio takes the stack's (step_caches)
+        stacks = ratio == AUTO_RATIO  # beside a step cache an auto ratio takes the stack setting (step_caches)
         ratio = ratio_of(ratio, preset)
         if ratio == 0:
             return (model.clone(),)
@@ -229,7 +227,7 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
         def strategy(where):
             return toma_strategy(ratio, window_size, where, tau, exact_unmerge, temporal_window)
 
-        return (patch_with(model, "ToMA", settle, strategy, unique_id, ratio_auto),)
+        return (patch_with(model, "ToMA", settle, strategy, unique_id, stacks),)
 
 
 def toma_strategy(ratio: float, window_size: int, where: placement.Placement, tau: float = DEFAULT_TAU,

@@ -1,7 +1,8 @@
 """The node beside a step cache (nodes/runtime/step_caches.py, issue 45 part 2): it finds core's EasyCache and
 LazyCache by their wrappers and TeaCache and MagCache by their options, whichever node comes first, says so once
-in the log and in every run's stats, takes the stack setting (an auto ratio becomes the stack's; a ratio set by
-hand is kept), and leaves nothing of it to a later run without the cache.
+in the log and in every run's stats, takes the stack setting where its ratio is auto (the stack's ratio, only
+inside the cache's window; nothing where LazyCache's threshold is low), keeps every setting where the ratio is
+set by hand, and leaves nothing of a stack to a later run without the cache.
 
 On the tiny random Flux of the conformance table. EasyCache and LazyCache come from the ComfyUI tree
 (comfy_extras/nodes_easycache.py: v0.3.64 on; the cases skip with the reason in a tree without it), TeaCache and
@@ -49,7 +50,7 @@ def core_cache(name):
     except ImportError as error:
         pytest.skip(f"no EasyCache/LazyCache in this ComfyUI (comfy_extras.nodes_easycache: {error})")
     node = {"EasyCache": nodes_easycache.EasyCacheNode, "LazyCache": nodes_easycache.LazyCacheNode}[name]
-    return lambda m, threshold=0.2, start=0.0, end=1.0: node.execute(m, reuse_threshold=threshold, start_percent=start,
+    return lambda m, threshold=0.5, start=0.0, end=1.0: node.execute(m, reuse_threshold=threshold, start_percent=start,
                                                                      end_percent=end, verbose=False)[0]
 
 
@@ -115,40 +116,57 @@ def test_the_node_finds_the_cache_and_says_so_once(pack, flux, kind, order, capl
 @pytest.mark.parametrize("order", ["toma-then-cache", "cache-then-toma"])
 def test_a_ratio_set_by_hand_is_kept_and_a_cache_that_skips_nothing_changes_nothing(pack, flux, order):
     """The Advanced node at ratio 0.5 (set by hand) beside a LazyCache whose window holds no step (end 0: every
-    call runs): the cache is found and said, the ratio is kept, and the output is that of ToMA alone (plans reused
-    over the calls that ran are those reused over the steps when every step runs)."""
+    call runs): the cache is found and said, every setting is kept, and the output is that of ToMA alone."""
     row, base = flux
     lazy = core_cache("LazyCache")
     alone, _ = dit_checks.toma_patched(pack, base, ratio=0.5, window=0, rotation="on")
     if order == "toma-then-cache":
         patched, runtime = dit_checks.toma_patched(pack, base, ratio=0.5, window=0, rotation="on")
-        stacked = lazy(patched, 0.2, 0.0, 0.0)
+        stacked = lazy(patched, 0.5, 0.0, 0.0)
     else:
-        stacked, runtime = dit_checks.toma_patched(pack, lazy(base, 0.2, 0.0, 0.0), ratio=0.5, window=0,
+        stacked, runtime = dit_checks.toma_patched(pack, lazy(base, 0.5, 0.0, 0.0), ratio=0.5, window=0,
                                                    rotation="on")
     out = sample(row, stacked)
     summary = runtime.summary()
     assert summary["step_cache"]["cache"] == "LazyCache" and summary["step_cache"]["ratio"] == 0.5
-    assert "ratio as set" in summary["step_cache"]["setting"]
+    assert "as set" in summary["step_cache"]["setting"]
     assert torch.equal(out, sample(row, alone))
 
 
 def test_the_stack_setting_is_used_and_nothing_leaks_to_a_later_run(pack, flux):
-    """The basic node (ratio auto) beside a LazyCache that skips nothing samples what the basic node at the
-    stack's ratio samples without a cache; the same patched model sampled afterwards without the cache samples
-    what a fresh one does at its own ratio, and its stats name no cache."""
+    """The basic node (ratio auto) beside an EasyCache that skips nothing (threshold 0) in a window from 0.4 of
+    the schedule on samples what ToMA at the stack's ratio merging from 0.4 on samples without a cache; the same
+    patched model sampled afterwards without the cache samples what a fresh one does, and its stats name no
+    cache."""
     row, base = flux
-    lazy = core_cache("LazyCache")
-    setting = pack.nodes.runtime.step_caches.STACK_SETTINGS["LazyCache"]
+    easy = core_cache("EasyCache")
+    setting = pack.nodes.runtime.step_caches.STACK_SETTINGS["EasyCache"]
     patched, runtime = basic(pack, base)
-    stacked = sample(row, lazy(patched, 0.2, 0.0, 0.0))
-    assert runtime.summary()["step_cache"]["ratio"] == setting.ratio
-    assert torch.equal(stacked, sample(row, basic(pack, base, ratio=setting.ratio)[0]))
+    stacked = sample(row, easy(patched, 0.0, 0.4, 1.0))
+    summary = runtime.summary()
+    assert summary["step_cache"]["ratio"] == setting.ratio and "window (0.4 to 1" in summary["step_cache"]["setting"]
+    expected, _ = dit_checks.toma_patched(pack, base, ratio=setting.ratio, window=0, rotation="on", start_percent=0.4)
+    assert torch.equal(stacked, sample(row, expected))
 
     later = sample(row, patched)
     assert runtime.summary()["step_cache"] is None
     assert torch.equal(later, sample(row, basic(pack, base)[0]))
     assert not torch.equal(later, stacked)
+
+
+def test_beside_lazycache_at_a_low_threshold_the_node_steps_aside(pack, flux, caplog):
+    """LazyCache under its stack setting's threshold (0.2 < 0.3): the basic node merges nothing, so the run is
+    LazyCache's alone, and the log (once) and the stats say why."""
+    row, base = flux
+    lazy = core_cache("LazyCache")
+    patched, runtime = basic(pack, base)
+    with caplog.at_level(logging.WARNING, logger=dit_checks.LOGGER):
+        out = sample(row, lazy(patched, 0.2))
+    summary = runtime.summary()
+    assert summary["step_cache"]["ratio"] is None and "steps aside" in summary["step_cache"]["setting"]
+    assert not summary["levels"] and summary["nothing_merges"]
+    assert torch.equal(out, sample(row, lazy(base, 0.2)))
+    assert len(said(caplog, "LazyCache")) == 1
 
 
 def test_ratio_zero_beside_a_cache_is_the_cache_alone(pack, flux):
@@ -158,21 +176,3 @@ def test_ratio_zero_beside_a_cache_is_the_cache_alone(pack, flux):
     nodes = pack.nodes.toma_nodes
     off = nodes.ToMAPatchModel().patch(base, 0.0, nodes.DEFAULT_WINDOW, nodes.DEFAULT_REUSE)[0]
     assert torch.equal(sample(row, lazy(off, 0.3)), sample(row, lazy(base, 0.3)))
-
-
-def test_plans_are_reused_over_the_calls_that_ran(pack, flux):
-    """Beside a cache that skips steps, the reuse interval counts the model calls that ran: with reuse 2 the
-    plans are built at every other call that ran (by sampler step, the cache's skips would bring each rebuild
-    forward: LazyCache 0.3 runs steps 0, 1, 5 and 9 of 10 here, built at 0 and 5, not 0, 5 and 9)."""
-    row, base = flux
-    patched, runtime = dit_checks.toma_patched(pack, base, ratio=0.5, window=0, reuse=2, weights_interval=2)
-    sample(row, core_cache("LazyCache")(patched, 0.3), steps=10)
-    report = runtime.report()
-    ran = sorted({step for stats in report.levels.values() for step in stats.steps})
-    built = sorted({record.step for stats in report.levels.values() for record in stats.records})
-    by_steps = []  # where a reuse interval counted in sampler steps would build
-    for step in ran:
-        if not by_steps or step - by_steps[-1] >= 2:
-            by_steps.append(step)
-    assert len(ran) < 10 and by_steps != ran[::2], "the cache's skips do not tell the two counts apart here"
-    assert built == ran[::2]

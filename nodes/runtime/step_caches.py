@@ -39,23 +39,26 @@ class StepCache:
 
 @dataclass(frozen=True)
 class StackSetting:
-    """What ToMA changes in a stack with a cache of one kind: ``ratio`` where the node's ratio is auto (-1),
-    and ``plans_by_calls``: the reuse interval counts the model calls that ran, not sampler steps, so a step
-    the cache skips does not bring a plan's rebuild (and its new destinations) forward."""
+    """What ToMA merges with beside a cache of one kind, where the node's ratio is auto (-1): ``ratio``; with
+    ``in_cache_window``, only inside the cache's own start/end (where it says them), the steps it may skip; and
+    nothing at all where the cache's threshold is under ``aside_below``: there the cache alone keeps more of the
+    picture than any ratio of ToMA beside it would leave."""
 
     ratio: float
-    plans_by_calls: bool = True
+    in_cache_window: bool = True
+    aside_below: float | None = None
 
-    def in_words(self, ratio_kept: bool) -> str:
-        ratio = "ratio as set" if ratio_kept else f"ratio {self.ratio:g}"
-        return ratio + (", plans reused over the model calls that ran" if self.plans_by_calls else "")
+    def steps_aside(self, cache: StepCache) -> bool:
+        threshold = cache.settings.get("threshold")
+        return self.aside_below is not None and isinstance(threshold, float) and threshold < self.aside_below
 
 
-# Chosen on the flux32 proxy at 64x64 tokens, 20 steps, against LazyCache alone (docs/notebook.md, "ToMA with a
-# step cache": every lever tried). EasyCache, TeaCache and MagCache skip by the same kind of rule (accumulated
-# relative change of the output, or of its proxy), so they take LazyCache's setting.
+# Chosen on the flux32 proxy at 64x64 tokens, 20 steps, against LazyCache alone (docs/notebook.md, "ToMA beside a
+# step cache": every lever tried, with its command). EasyCache, TeaCache and MagCache were not measured against
+# the stack: they take LazyCache's ratio and window, but not its step aside (EasyCache at its lowest threshold
+# keeps less of the picture than ToMA at 0.3; TeaCache's and MagCache's thresholds are on scales of their own).
 STACK_SETTINGS = {
-    "LazyCache": StackSetting(ratio=0.3),
+    "LazyCache": StackSetting(ratio=0.3, aside_below=0.3),
     "EasyCache": StackSetting(ratio=0.3),
     "TeaCache": StackSetting(ratio=0.3),
     "MagCache": StackSetting(ratio=0.3),
@@ -101,44 +104,36 @@ def find(transformer_options: dict | None) -> StepCache | None:
     return None
 
 
-class CallCountedSchedule:
-    """A schedule whose steps are the model calls that ran in the run, in order (the inner schedule's
-    intervals then count calls, not sampler steps); a step seen again (cond and uncond called apart) is the
-    same call. The fraction of the schedule done stays the sampler's."""
+class SteppedAside:
+    """The node's strategy for a run it leaves to the cache: it merges nothing, and says why (``merges_nothing``:
+    the runtime says it once in the log and in the run's stats)."""
 
-    def __init__(self, inner):
-        self.inner = inner
-        self._calls: dict[int, int] = {}
+    def __init__(self, strategy, why: str):
+        self.strategy, self.why = strategy, why
 
-    def __getattr__(self, name):  # is_short, short_run, timing, forget, ...: the inner schedule's
-        return getattr(self.inner, name)
+    def __getattr__(self, name):
+        return getattr(self.strategy, name)
 
-    def reset(self) -> None:
-        self._calls.clear()
-        self.inner.reset()
-
-    def decide(self, step: int, progress: float, group, total: int | None = None):
-        call = self._calls.setdefault(step, len(self._calls))
-        return self.inner.decide(call, progress, group, total)
+    def merges_nothing(self, grid) -> str:
+        return self.why
 
 
 class CacheStack:
-    """Per runtime: the step cache of the run under way and the strategy ToMA merges with in it.
+    """Per runtime: the step cache of the run under way and the strategy the node merges with beside it.
 
-    ``own``: the node's strategy. ``ratio_auto``: whether the node's ratio is auto (the stack setting may change
-    it; a ratio set by hand is kept). ``adapts``: whether the node takes a stack setting at all (ToMA's nodes;
-    the baselines run as published, and only say that they found a cache)."""
+    ``own``: the node's strategy. ``adapts``: whether the node takes a stack setting at all (ToMA's nodes where
+    the ratio is auto; a ratio set by hand keeps every setting as set, and the baselines run as published: both
+    only say that they found a cache)."""
 
-    def __init__(self, own, adapts: bool = False, ratio_auto: bool = False):
+    def __init__(self, own, adapts: bool = False):
         self.own = own
         self.adapts = adapts
-        self.ratio_auto = ratio_auto
         self.found: StepCache | None = None
         self.setting_words: str | None = None
-        self.ratio: float | None = None  # the ratio the run merges at beside the cache found
+        self.ratio: float | None = None  # the ratio the run merges at beside the cache found (None: nothing)
         self._settled = False
         self._said: set = set()
-        self._stacked: dict = {}  # cache kind -> the strategy of a stack with it (one object: one compiled graph)
+        self._stacked: dict = {}  # the cache found -> the strategy beside it (one object: one compiled graph)
 
     def begin_run(self):
         """A run begins with the node's own strategy and no cache known; the strategy to sample with."""
@@ -146,41 +141,49 @@ class CacheStack:
         return self.own
 
     def settle(self, transformer_options: dict | None, current):
-        """At a run's first model call: the strategy for the run (``current`` after that call), the cache found
-        said once in the log per patched model and cache kind."""
+        """At a run's first model call: the strategy for the run (``current`` after that call); the cache found,
+        and what the node does beside it, said once in the log per patched model and cache setting."""
         if self._settled:
             return current
         self._settled = True
         self.found = find(transformer_options)
         if self.found is None:
             return current
-        if self.found.kind not in self._stacked:
-            self._stacked[self.found.kind] = self.stacked(STACK_SETTINGS[self.found.kind])
-        strategy = self._stacked[self.found.kind]
+        key = (self.found.kind, tuple(sorted(self.found.settings.items())))
+        if key not in self._stacked:
+            self._stacked[key] = self.stacked(self.found, STACK_SETTINGS[self.found.kind])
+        strategy, self.setting_words = self._stacked[key]
         strategy.schedule.reset()
-        self.setting_words = STACK_SETTINGS[self.found.kind].in_words(ratio_kept=not self.ratio_auto)
-        if strategy is self.own:
-            self.setting_words = "its own setting (the node takes no stack setting)"
-        self.ratio = getattr(strategy, "ratio", None)
-        message = f"found {self.found.in_words()} on the model: {self.own.name} merges with {self.setting_words}"
-        if (self.found.kind, message) not in self._said:
-            self._said.add((self.found.kind, message))
+        self.ratio = None if isinstance(strategy, SteppedAside) else getattr(strategy, "ratio", None)
+        message = f"found {self.found.in_words()} on the model: {self.own.name} {self.setting_words}"
+        if message not in self._said:
+            self._said.add(message)
             log.warning("ToMA: %s", message)
         return strategy
 
-    def stacked(self, setting: StackSetting):
-        """The node's strategy with the stack ``setting`` (a new schedule, so the node's own stays untouched)."""
+    def stacked(self, cache: StepCache, setting: StackSetting) -> tuple:
+        """(the strategy beside ``cache`` with the stack ``setting``, what it does in words); a new schedule, so
+        that the node's own stays untouched."""
         if not self.adapts:
-            return self.own
+            return self.own, "merges with its settings as set"
         schedule = copy.deepcopy(self.own.schedule)
-        if setting.plans_by_calls:
-            schedule = CallCountedSchedule(schedule)
-        ratio = setting.ratio if self.ratio_auto else self.own.ratio
-        return dataclasses.replace(self.own, ratio=ratio, schedule=schedule)
+        if setting.steps_aside(cache):
+            why = (f"{cache.kind} at threshold {cache.settings['threshold']:g} (under {setting.aside_below:g}) "
+                   "keeps more of the picture alone than beside any ratio of token merging")
+            return SteppedAside(dataclasses.replace(self.own, schedule=schedule), why), f"steps aside: {why}"
+        words = f"merges at ratio {setting.ratio:g}"
+        start, end = cache.settings.get("start"), cache.settings.get("end")
+        if setting.in_cache_window and start is not None and end is not None:
+            start, end = max(start, schedule.start_percent), min(end, schedule.end_percent)
+            if start < end:  # the steps where both the cache and the node's own window allow it
+                schedule = dataclasses.replace(schedule, start_percent=start, end_percent=end, _last={})
+                words += f", only inside the cache's window ({start:g} to {end:g} of the schedule)"
+        return dataclasses.replace(self.own, ratio=setting.ratio, schedule=schedule), words
 
     def summary(self) -> dict | None:
-        """The run's step cache for the stats: the cache, its settings, and the setting ToMA took; None: none."""
+        """The run's step cache for the stats: the cache, its settings, what the node did beside it, and the
+        ratio it merged at (None: nothing); None where there was no cache."""
         if self.found is None:
             return None
         return {"cache": self.found.kind, "settings": dict(self.found.settings), "setting": self.setting_words,
-                "ratio": self.ratio, "in_words": f"with {self.found.in_words()}: {self.setting_words}"}
+                "ratio": self.ratio, "in_words": f"{self.found.in_words()} found: {self.own.name} {self.setting_words}"}
