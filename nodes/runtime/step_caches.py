@@ -39,13 +39,11 @@ class StepCache:
 
 @dataclass(frozen=True)
 class StackSetting:
-    """What ToMA merges with beside a cache of one kind, where the node's ratio is auto (-1): ``ratio``; with
-    ``in_cache_window``, only inside the cache's own start/end (where it says them), the steps it may skip; and
-    nothing at all where the cache's threshold is under ``aside_below``: there the cache alone keeps more of the
-    picture than any ratio of ToMA beside it would leave."""
+    """What ToMA merges with beside a cache of one kind, where the node's ratio is auto (-1): ``ratio``, and
+    nothing at all where the cache's threshold is under ``aside_below``: there the cache alone keeps far more of
+    the picture than beside ToMA."""
 
     ratio: float
-    in_cache_window: bool = True
     aside_below: float | None = None
 
     def steps_aside(self, cache: StepCache) -> bool:
@@ -171,14 +169,7 @@ class CacheStack:
             why = (f"{cache.kind} at threshold {cache.settings['threshold']:g} (under {setting.aside_below:g}) "
                    "keeps more of the picture alone than beside any ratio of token merging")
             return SteppedAside(dataclasses.replace(self.own, schedule=schedule), why), f"steps aside: {why}"
-        words = f"merges at ratio {setting.ratio:g}"
-        start, end = cache.settings.get("start"), cache.settings.get("end")
-        if setting.in_cache_window and start is not None and end is not None:
-            start, end = max(start, schedule.start_percent), min(end, schedule.end_percent)
-            if start < end:  # the steps where both the cache and the node's own window allow it
-                schedule = dataclasses.replace(schedule, start_percent=start, end_percent=end, _last={})
-                words += f", only inside the cache's window ({start:g} to {end:g} of the schedule)"
-        return dataclasses.replace(self.own, ratio=setting.ratio, schedule=schedule), words
+        return dataclasses.replace(self.own, ratio=setting.ratio, schedule=schedule), f"merges at ratio {setting.ratio:g}"
 
     def summary(self) -> dict | None:
         """The run's step cache for the stats: the cache, its settings, what the node did beside it, and the
