@@ -13,7 +13,8 @@ from . import placement
 from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
                        keys_values_families, supported_families, unet)
 from .inputs import (AUTO_RATIO, CATEGORY, DEFAULT_RATIO, DEFAULT_REUSE, DEFAULT_TEMPORAL_WINDOW, DEFAULT_WINDOW,
-                     MODEL_INPUT, RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT, check_inputs, float_input, int_input, ratio_of)
+                     MODEL_INPUT, RATIO_INPUT, REUSE_INPUT, WINDOW_INPUT, check_inputs, float_input, int_input,
+                     ratio_of)
 from .live_stats import stats_sender
 from .runtime import MergeRuntime, attach_runtime
 from .runtime.pace import HostPace, rule_on
@@ -49,12 +50,13 @@ def watched(patched, runtime: MergeRuntime, unique_id):
     return patched
 
 
-def patch_with(model, name: str, settle, strategy_of, unique_id=None, stacks: bool = False):
+def patch_with(model, name: str, settle, strategy_of, unique_id=None, stack_kind: str | None = None):
     """Patch ``model`` through the adapter of its family; unsupported: ``model`` unpatched. ``settle(adapter)``
     is where the node merges on that family (placement.settle), ``strategy_of(placement)`` the method as it
     merges there. ``unique_id``: the patch node's id, to which the live stats of each sampling run are sent.
-    ``stacks``: whether the method takes the stack setting of a step cache found when sampling starts
-    (runtime/step_caches.py: ToMA at an auto ratio); otherwise it merges as set beside one, and says so."""
+    ``stack_kind``: the kind of model (placement.PRESETS) whose stack setting the method takes beside a step cache
+    found when sampling starts (runtime/step_caches.py: ToMA at an auto ratio); None: it merges as set beside one,
+    and says so."""
     adapter = adapter_for(model)
     if adapter is None:
         log.warning("ToMA: %s is not supported by %s (supported: %s); returning the model unpatched",
@@ -65,7 +67,7 @@ def patch_with(model, name: str, settle, strategy_of, unique_id=None, stacks: bo
     # ToMA stops merging for a run where the host sets its pace (runtime/pace.py); the baselines run as published
     pace = HostPace() if isinstance(strategy, ToMA) and rule_on() else None
     runtime = MergeRuntime(strategy, model_sampling_of(model), where, pace)
-    runtime.stack = CacheStack(strategy, adapts=stacks)
+    runtime.stack = CacheStack(strategy, stack_kind)
     patched = adapter.patch(model, runtime, where)
     return patched if patched is model else watched(patched, runtime, unique_id)
 
@@ -212,7 +214,9 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                      proportional_attention=proportional_attention, shared_destinations=shared_destinations,
                      rotation=rotation)
         preset = preset_of(model)
-        stacks = ratio == AUTO_RATIO  # beside a step cache an auto ratio takes the stack setting (step_caches)
+        # beside a step cache an auto ratio takes the stack setting of the model's kind (runtime/step_caches.py)
+        auto = ratio == AUTO_RATIO
+        stack_kind = next((kind for kind, p in placement.PRESETS.items() if p is preset and auto), None)
         ratio = ratio_of(ratio, preset)
         if ratio == 0:
             return (model.clone(),)
@@ -227,7 +231,7 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
         def strategy(where):
             return toma_strategy(ratio, window_size, where, tau, exact_unmerge, temporal_window)
 
-        return (patch_with(model, "ToMA", settle, strategy, unique_id, stacks),)
+        return (patch_with(model, "ToMA", settle, strategy, unique_id, stack_kind),)
 
 
 def toma_strategy(ratio: float, window_size: int, where: placement.Placement, tau: float = DEFAULT_TAU,

@@ -152,6 +152,29 @@ def test_the_stack_setting_is_used_and_nothing_leaks_to_a_later_run(pack, flux):
     assert not torch.equal(later, stacked)
 
 
+def test_on_a_kind_of_model_without_a_stack_setting_the_node_keeps_its_own(pack):
+    """On a video DiT (the tiny Wan), for which no stack setting was measured, the basic node beside an EasyCache
+    that skips nothing (threshold 0) says it found the cache and samples what it samples without one."""
+    import comfy.supported_models
+
+    row = ROWS["wan"]
+    if not hasattr(comfy.supported_models, row.host):
+        pytest.skip(f"{row.host} is not in this ComfyUI (set COMFYUI_PATH to a tree of {row.tree})")
+    base = row.build()
+    patched, runtime = basic(pack, base)
+    frames = [5] if row.video else []
+    latent = torch.zeros(1, row.channels, *frames, *row.sizes["odd"])
+
+    def run(model):
+        return sampling.sample(model, row.text(1, row.texts[0], 0), latent, steps=STEPS, scheduler="simple")
+
+    stacked = run(core_cache("EasyCache")(patched, 0.0))
+    summary = runtime.summary()
+    assert summary["step_cache"]["cache"] == "EasyCache" and "own setting" in summary["step_cache"]["setting"]
+    assert summary["step_cache"]["ratio"] == pack.nodes.placement.PRESETS["video"].ratio
+    assert torch.equal(stacked, run(basic(pack, base)[0]))
+
+
 def test_beside_lazycache_at_a_low_threshold_the_node_steps_aside(pack, flux, caplog):
     """LazyCache under its stack setting's threshold (0.2 < 0.3): the basic node merges nothing, so the run is
     LazyCache's alone, and the log (once) and the stats say why."""

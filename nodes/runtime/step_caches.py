@@ -34,17 +34,21 @@ class StepCache:
     settings: dict
 
     def in_words(self) -> str:
-        return f"{self.kind} ({', '.join(f'{k} {v:g}' if isinstance(v, float) else f'{k} {v}' for k, v in self.settings.items())})"
+        shown = (f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+                 for name, value in self.settings.items())
+        return f"{self.kind} ({', '.join(shown)})"
 
 
 @dataclass(frozen=True)
 class StackSetting:
-    """What ToMA merges with beside a cache of one kind, where the node's ratio is auto (-1): ``ratio``, and
-    nothing at all where the cache's threshold is under ``aside_below``: there the cache alone keeps far more of
-    the picture than beside ToMA."""
+    """What ToMA merges with beside a cache of one kind, where the node's ratio is auto (-1), on the kinds of
+    model it was measured on (``model_kinds``: keys of placement.PRESETS; elsewhere the node keeps its own
+    setting and says so): ``ratio``, and nothing at all where the cache's threshold is under ``aside_below``:
+    there the cache alone keeps far more of the picture than beside ToMA."""
 
     ratio: float
     aside_below: float | None = None
+    model_kinds: tuple[str, ...] = ("dit",)
 
     def steps_aside(self, cache: StepCache) -> bool:
         threshold = cache.settings.get("threshold")
@@ -52,10 +56,10 @@ class StackSetting:
 
 
 # Chosen on the flux32 proxy at 64x64 tokens, 20 steps, against LazyCache alone (docs/stacking.md, "With a step
-# cache"; every lever tried: docs/notebook.md, "ToMA beside a step cache"). EasyCache, TeaCache and MagCache take
-# LazyCache's ratio but not its step aside: EasyCache at its lowest threshold keeps less of the picture than ToMA
-# at 0.3 (and at 0.3 the stack keeps 1 dB more than EasyCache alone); TeaCache's and MagCache's thresholds are on
-# scales of their own, and neither was measured beside the stack on the proxy.
+# cache"; every lever tried: docs/notebook.md, "ToMA beside a step cache"): image DiTs only, the one kind measured.
+# EasyCache, TeaCache and MagCache take LazyCache's ratio but not its step aside: EasyCache at its lowest threshold
+# keeps less of the picture than ToMA at 0.3 (and at 0.3 the stack keeps 1 dB more than EasyCache alone);
+# TeaCache's and MagCache's thresholds are on scales of their own, and neither was measured beside the stack.
 STACK_SETTINGS = {
     "LazyCache": StackSetting(ratio=0.3, aside_below=0.3),
     "EasyCache": StackSetting(ratio=0.3),
@@ -120,13 +124,13 @@ class SteppedAside:
 class CacheStack:
     """Per runtime: the step cache of the run under way and the strategy the node merges with beside it.
 
-    ``own``: the node's strategy. ``adapts``: whether the node takes a stack setting at all (ToMA's nodes where
-    the ratio is auto; a ratio set by hand keeps every setting as set, and the baselines run as published: both
-    only say that they found a cache)."""
+    ``own``: the node's strategy. ``model_kind``: the kind of model (a key of placement.PRESETS) whose stack
+    setting the node takes; None: it takes none (a ratio set by hand keeps every setting as set, and the baselines
+    run as published: both only say that they found a cache)."""
 
-    def __init__(self, own, adapts: bool = False):
+    def __init__(self, own, model_kind: str | None = None):
         self.own = own
-        self.adapts = adapts
+        self.model_kind = model_kind
         self.found: StepCache | None = None
         self.setting_words: str | None = None
         self.ratio: float | None = None  # the ratio the run merges at beside the cache found (None: nothing)
@@ -163,14 +167,17 @@ class CacheStack:
     def stacked(self, cache: StepCache, setting: StackSetting) -> tuple:
         """(the strategy beside ``cache`` with the stack ``setting``, what it does in words); a new schedule, so
         that the node's own stays untouched."""
-        if not self.adapts:
+        if self.model_kind is None:
             return self.own, "merges with its settings as set"
+        if self.model_kind not in setting.model_kinds:
+            return self.own, "merges with its own setting (no stack setting measured for this kind of model yet)"
         schedule = copy.deepcopy(self.own.schedule)
         if setting.steps_aside(cache):
             why = (f"{cache.kind} at threshold {cache.settings['threshold']:g} (under {setting.aside_below:g}) "
                    "keeps more of the picture alone than beside any ratio of token merging")
             return SteppedAside(dataclasses.replace(self.own, schedule=schedule), why), f"steps aside: {why}"
-        return dataclasses.replace(self.own, ratio=setting.ratio, schedule=schedule), f"merges at ratio {setting.ratio:g}"
+        return (dataclasses.replace(self.own, ratio=setting.ratio, schedule=schedule),
+                f"merges at ratio {setting.ratio:g}")
 
     def summary(self) -> dict | None:
         """The run's step cache for the stats: the cache, its settings, what the node did beside it, and the
