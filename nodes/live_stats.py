@@ -26,8 +26,9 @@ def stats_lines(summary: dict) -> list[str]:
     merging (``host_paced``: the model calls before and after), or why nothing merges, then the shares
     of the sampling wall time spent selecting destinations, merging and unmerging (device time from CUDA
     events on CUDA, host time elsewhere: the summary's ``clock``); before those shares, whether destinations
-    rotate where a level merged (and how many a rebuilt plan kept from its key's previous build), and what
-    the patched model does otherwise than its node asks (``caveats``)."""
+    rotate where a level merged (and how many a rebuilt plan kept from its key's previous build), the step
+    cache found on the model and the setting taken beside it (``step_cache``), and what the patched model does
+    otherwise than its node asks (``caveats``)."""
     levels = sorted(summary["levels"].items(), key=lambda item: -item[1]["tokens"])  # as the merge map counts
     lines = [f"{name}: {v['tokens']} -> {v['merged_tokens']} tokens, {v['steps']} steps merged" for name, v in levels]
     lines += [f"{name}: left to {left['node']}, which {left['why']}"
@@ -48,6 +49,8 @@ def stats_lines(summary: dict) -> list[str]:
         lines.append(f"rotation on (strength {rotation['strength']:g}): " + (
             "no plan rebuilt" if kept is None else
             f"{100 * kept:.0f}% of destinations kept from the previous build of the same plan"))
+    if summary.get("step_cache"):
+        lines.append(summary["step_cache"]["in_words"])
     lines += summary.get("caveats", ())
     wall = summary.get("wall_seconds")
     if wall:

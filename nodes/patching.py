@@ -50,15 +50,17 @@ def toma_strategy(where: placement.Placement, tau: float = DEFAULT_TAU, exact_un
                 rotation=where.rotation)
 
 
-def patch_with(model, adapter, where: placement.Placement, strategy, unique_id=None):
+def patch_with(model, adapter, where: placement.Placement, strategy, unique_id=None, stack_kind: str | None = None):
     """``model`` patched by ``adapter`` (its family's) with ``strategy``, merging where ``where`` says; ``model``
     itself where the adapter refuses it (with its message). ``unique_id``: the patch node's id, to which the live
-    stats of each sampling run are sent. A model that samples in ComfyUI's sampler gives the runtime its noise
+    stats of each sampling run are sent. ``stack_kind``: the kind of model (placement.PRESETS) whose stack setting
+    the method takes beside a step cache found when sampling starts (runtime/step_caches.py: ToMA at an auto
+    ratio); None: it merges as set beside one, and says so. A model that samples in ComfyUI's sampler gives the runtime its noise
     schedule and carries the runtime (runtime.registry); there ToMA stops merging for a run where the host sets
     its pace (runtime/pace.py; the baselines run as published)."""
     native = not adapter.own_sampler
     pace = HostPace() if native and strategy.stops_where_host_paced and rule_on() else None
-    runtime = MergeRuntime(strategy, model_sampling_of(model) if native else None, where, pace)
+    runtime = MergeRuntime(strategy, model_sampling_of(model) if native else None, where, pace, stack_kind)
     patched = adapter.patch(model, runtime, where)
     if patched is model:
         return model

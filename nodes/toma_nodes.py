@@ -10,9 +10,9 @@ from ..toma_core import (CATOME_CONFIG3, CATOME_REFERENCE_STEPS, DEFAULT_TAU, CA
 from . import placement
 from .adapters import (adapter_for, attention_placement_families, family_names, feed_forward_families,
                        keys_values_families, unet)
-from .inputs import (CATEGORY, DEFAULT_RATIO, DEFAULT_REUSE, DEFAULT_TEMPORAL_WINDOW, DEFAULT_WINDOW, MODEL_INPUT,
-                     RATIO_INPUT, REUSE_INPUT, SPEED_ALIASES, WINDOW_INPUT, check_inputs, float_input, int_input,
-                     ratio_of)
+from .inputs import (AUTO_RATIO, CATEGORY, DEFAULT_RATIO, DEFAULT_REUSE, DEFAULT_TEMPORAL_WINDOW, DEFAULT_WINDOW,
+                     MODEL_INPUT, RATIO_INPUT, REUSE_INPUT, SPEED_ALIASES, WINDOW_INPUT, check_inputs, float_input,
+                     int_input, ratio_of)
 from .patching import patch_with, preset_for, toma_strategy, unsupported
 
 
@@ -170,6 +170,8 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                      rotation=rotation)
         adapter = adapter_for(model) if adapter is None else adapter
         preset = preset_for(adapter, model)
+        # beside a step cache an auto ratio takes the stack setting of the model's kind (runtime/step_caches.py)
+        stack_kind = adapter.preset_kind(model) if ratio == AUTO_RATIO and adapter is not None else None
         ratio = ratio_of(ratio, preset)
         if ratio == 0:
             return (model.clone(),)
@@ -180,7 +182,7 @@ class ToMAPatchModelAdvanced(ModelPatchNode):
                                  shared_destinations=shared_destinations, proportional=proportional_attention,
                                  schedule=schedule, rotation=rotation, ratio=ratio,
                                  windows=(int(window_size or preset.window_size), int(temporal_window)))
-        return (patch_with(model, adapter, where, toma_strategy(where, tau, exact_unmerge), unique_id),)
+        return (patch_with(model, adapter, where, toma_strategy(where, tau, exact_unmerge), unique_id, stack_kind),)
 
 
 def _downsample_levels(max_downsample: int) -> frozenset[int]:

@@ -79,6 +79,10 @@ class ToMA(Strategy):
     # strength of rotating destinations (plan.ROTATION_STRENGTH; 0: off): a token that was a destination at the
     # plan key's earlier builds in the run is less likely to be one again (plan_tiles)
     rotation: float = 0.0
+    # why the node merges nothing at all with this strategy, said once in the log and the stats (None: it merges
+    # as set); the node's stack setting beside a step cache that keeps more of the picture alone (nodes/runtime/
+    # step_caches.py)
+    idle_because: str | None = None
     name = "ToMA"
     stops_where_host_paced = True
 
@@ -103,6 +107,8 @@ class ToMA(Strategy):
         return self.window_size ** 2 * self.temporal_window > EXACT_GREEDY_MAX_TILE
 
     def merges_nothing(self, grid) -> str | None:
+        if self.idle_because is not None:
+            return self.idle_because
         start, end = self.schedule.start_percent, self.schedule.end_percent
         if start == end:
             return f"start_percent equals end_percent ({start}): no step lies between them"

@@ -116,7 +116,8 @@ class RunReport:
     before the stop, the model calls run unmerged after it), None where merging went on. rotation: the strength of rotating
     destinations (0: off); destinations_kept: the share of the destinations of the run's rebuilt plans that
     were destinations at the previous build of their key too (None: no plan rebuilt, rotation off, or plans
-    without values, the cost model's)."""
+    without values, the cost model's). step_cache: the step cache found on the model this run sampled and the
+    setting the node took beside it (runtime.step_caches.CacheStack.summary), None where there was none."""
 
     method: str
     steps: int | None
@@ -137,6 +138,7 @@ class RunReport:
     host_paced: dict | None = None
     rotation: float = 0.0
     destinations_kept: float | None = None
+    step_cache: dict | None = None  # the step cache found on the sampled model, and ToMA's setting beside it
 
     def summary(self) -> dict:
         """The report as JSON (stats message, run listeners): levels by label, each with its fields, in
@@ -158,6 +160,7 @@ class RunReport:
             "host_paced": None if self.host_paced is None else dict(self.host_paced),
             "rotation": {"strength": self.rotation, "destinations_kept": self.destinations_kept} if self.rotation
             else None,
+            "step_cache": self.step_cache,
         }
 
 

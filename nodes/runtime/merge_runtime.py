@@ -26,6 +26,7 @@ from .pace import HostPace
 from .plans import PlanStore
 from .records import keep_record
 from .stages import StageClock
+from .step_caches import CacheStack
 from .steps import StepLocator, Where
 
 log = logging.getLogger("ComfyUI-ToMA")
@@ -35,13 +36,17 @@ class MergeRuntime:
     """The run, the host's wrappers around it and its stats, for one patched model; its plans are in
     ``plans`` (a PlanStore)."""
 
-    def __init__(self, strategy, model_sampling, placement, pace: HostPace | None = None):
+    def __init__(self, strategy, model_sampling, placement, pace: HostPace | None = None,
+                 stack_kind: str | None = None):
         self.strategy = strategy
         # where and how the node merges (placement.Placement), as settled once: read by the plan store (plans per
         # block, shared destinations, rotation) and by the adapters (the scope, sequence-parallel slabs)
         self.placement = placement
         self.pace = pace  # the rule that stops merging for a run where the host sets the pace (None: no rule)
         self.name = strategy.name
+        # a step cache on the model being sampled, and the strategy beside it (stack_kind: the kind of model whose
+        # stack setting the node takes; None: it merges as set)
+        self.stack = CacheStack(strategy, stack_kind)
         self.steps = StepLocator(model_sampling)
         self.stages = StageClock(("select", "merge", "unmerge"))
         self.run_listeners = []  # called with summary() when a run ends (the live stats)
@@ -114,6 +119,7 @@ class MergeRuntime:
         """A clean slate for a sampling run (``StepLocator.begin`` says what the arguments are)."""
         for cache in (self._levels, self._idle, self._left_to, self._unmerged):
             cache.clear()
+        self.strategy = self.plans.use(self.stack.begin_run())  # every run begins with the node's own strategy
         self.plans.clear()
         self._call = self._loose = None
         self.stages.reset()
@@ -261,6 +267,8 @@ class MergeRuntime:
         where = self.locate(transformer_options)
         if where is None:
             return None
+        # a run's first call: beside a step cache the node may merge otherwise (step_caches.py)
+        self.strategy = self.plans.use(self.stack.settle(transformer_options, self.strategy))
         return self.call_at(where, transformer_options["sigmas"].device, batch,
                             tuple(transformer_options.get("cond_or_uncond") or ()))
 
@@ -401,7 +409,8 @@ class MergeRuntime:
             unmerged=dict(self._unmerged),
             seconds=self.stages.seconds(), clock=self.stages.kind, wall_seconds=wall, caveats=tuple(self.caveats),
             untimed=self.stages.untimed, host_paced=None if self.pace is None else self.pace.summary(),
-            rotation=float(self.plans.rotation), destinations_kept=self.plans.destinations_kept())
+            rotation=float(self.plans.rotation), destinations_kept=self.plans.destinations_kept(),
+            step_cache=self.stack.summary())
 
     def summary(self) -> dict:
         """The report as JSON (``RunReport.summary``), what the run listeners get."""

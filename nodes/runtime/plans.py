@@ -41,6 +41,12 @@ class PlanStore:
         self.keys: list[PlanKey] = []  # plan keys seen this run, in order: each call decides them first
         self.failed: set[PlanKey] = set()  # keys whose plan could not be built: their blocks run unmerged
 
+    def use(self, strategy):
+        """Build and decide with ``strategy`` from now on (the node's own, or the one it takes beside a step cache:
+        step_caches.py); ``strategy`` back."""
+        self.strategy, self.schedule = strategy, strategy.schedule
+        return strategy
+
     def clear(self) -> None:
         """A clean slate for a sampling run: no plan, decision, draw or count of an earlier run is kept."""
         for cache in (self.by_key, self.shared, self.generators, self.failed, self.keys, self.chosen,
