@@ -56,10 +56,11 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.host.recording():
-            inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and \
-                        t.untyped_storage()._cdata not in inputs:
+                if (isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()
+                        and t.untyped_storage()._cdata not in inputs):
                     self.host.allocations.append(Allocation(StorageWeakRef(t.untyped_storage()), self.host.scope,
                                                             str(func), tuple(t.shape), _maker()))
         return out
