@@ -19,7 +19,7 @@ from toma_bench import comfy_host, pack_source, sampling
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
 
-STEPS = 6
+STEPS = 10  # over the image DiTs' short-run rule (8 steps), where the stack setting applies
 CACHE_STATE = ("teacache_state", "magcache_state", "accumulated_err", "accumulated_ratio",
                "accumulated_rel_l1_distance", "accumulated_steps", "cnt", "previous_modulated_input",
                "previous_residual", "residual_cache")
@@ -153,6 +153,22 @@ def test_the_stack_setting_is_used_and_nothing_leaks_to_a_later_run(pack, flux):
     assert runtime.summary()["step_cache"] is None
     assert torch.equal(later, sample(row, basic(pack, base)[0]))
     assert not torch.equal(later, stacked)
+
+
+def test_in_a_short_run_the_node_keeps_its_own_setting(pack, flux):
+    """A run of at most 8 steps (the image DiTs' short-run rule) beside a cache: the stack setting, measured at 20
+    steps, is not taken (at 8 steps its ratio makes LazyCache skip nothing); the node merges as it does without a
+    cache, and says so; a longer run of the same patched model takes the stack setting again."""
+    row, base = flux
+    easy = core_cache("EasyCache")
+    patched, runtime = basic(pack, base)
+    short = sample(row, easy(patched, 0.0), steps=6)
+    summary = runtime.summary()
+    assert summary["step_cache"]["ratio"] == pack.nodes.placement.PRESETS["dit"].ratio
+    assert "own setting in this 6-step run" in summary["step_cache"]["setting"]
+    assert torch.equal(short, sample(row, basic(pack, base)[0], steps=6))
+    sample(row, easy(patched, 0.0))
+    assert runtime.summary()["step_cache"]["ratio"] == pack.nodes.runtime.step_caches.STACK_SETTINGS["EasyCache"].ratio
 
 
 def test_on_a_kind_of_model_without_a_stack_setting_the_node_keeps_its_own(pack):

@@ -268,7 +268,7 @@ class MergeRuntime:
         if where is None:
             return None
         # a run's first call: beside a step cache the node may merge otherwise (step_caches.py)
-        self.strategy = self.plans.use(self.stack.settle(transformer_options, self.strategy))
+        self.strategy = self.plans.use(self.stack.settle(transformer_options, self.strategy, self.steps.total))
         return self.call_at(where, transformer_options["sigmas"].device, batch,
                             tuple(transformer_options.get("cond_or_uncond") or ()))
 

@@ -135,18 +135,25 @@ class CacheStack:
         self.found, self.setting_words, self.ratio, self._settled = None, None, None, False
         return self.own
 
-    def settle(self, transformer_options: dict | None, current):
+    def settle(self, transformer_options: dict | None, current, total: int | None = None):
         """At a run's first model call: the strategy for the run (``current`` after that call); the cache found,
-        and what the node does beside it, said once in the log per patched model and cache setting."""
+        and what the node does beside it, said once in the log per patched model and cache setting. ``total``:
+        the run's steps, where known: a short run (the node's own few-step rule) keeps the node's own setting,
+        since the stack settings were measured at 20 steps and at 8 the stack's ratio makes LazyCache skip
+        nothing (docs/stacking.md)."""
         if self._settled:
             return current
         self._settled = True
         self.found = find(transformer_options)
         if self.found is None:
             return current
-        key = (self.found.kind, tuple(sorted(self.found.settings.items())))
+        short = self.own.schedule.is_short(total)
+        key = (self.found.kind, tuple(sorted(self.found.settings.items())), short)
         if key not in self._stacked:
-            self._stacked[key] = self.stacked(self.found, STACK_SETTINGS[self.found.kind])
+            self._stacked[key] = (
+                (self.own, f"merges with its own setting in this {total}-step run (the stack setting is for "
+                 "longer runs)", self.own.ratio if isinstance(self.own, ToMA) else None)
+                if short and self.model_kind is not None else self.stacked(self.found, STACK_SETTINGS[self.found.kind]))
         strategy, self.setting_words, self.ratio = self._stacked[key]
         strategy.schedule.reset()
         message = f"found {self.found.in_words()} on the model: {self.own.name} {self.setting_words}"
