@@ -65,9 +65,11 @@ def pack_module(name: str):
         raise CacheMissing(f"{name}: {why}") from None
 
 
-def apply(name: str, model, threshold: float | None = None, kind: str = "flux", **options):
-    """``model`` with step cache ``name`` at ``threshold`` (None: its node's default); ``options``: the pack
-    caches' other inputs (MagCache's magcache_K, retention_ratio)."""
+def apply(name: str, model, threshold: float | None = None, kind: str = "flux", model_type: str | None = None,
+          **options):
+    """``model`` with step cache ``name`` at ``threshold`` (None: its node's default); ``model_type``: the pack
+    caches' (default: MODEL_TYPE of ``kind``); ``options``: their other inputs (MagCache's magcache_K,
+    retention_ratio)."""
     threshold = DEFAULT_THRESHOLD[name] if threshold is None else threshold
     check(name, threshold)
     if name in CORE:
@@ -79,13 +81,14 @@ def apply(name: str, model, threshold: float | None = None, kind: str = "flux", 
         out = getattr(module, f"{name}Node").execute(model, reuse_threshold=threshold, start_percent=START,
                                                       end_percent=END, verbose=False)
         return out.args[0] if hasattr(out, "args") else out[0]
-    if kind not in MODEL_TYPE:
+    if model_type is None and kind not in MODEL_TYPE:
         raise CacheMissing(f"{name} serves DiTs ({', '.join(MODEL_TYPE)}), not {kind}")
+    model_type = model_type or MODEL_TYPE[kind]
     module = pack_module(name)
     if name == "TeaCache":
-        return module.TeaCache().apply_teacache(model, MODEL_TYPE[kind], threshold, 0.0, 1.0, "cpu")[0]
+        return module.TeaCache().apply_teacache(model, model_type, threshold, 0.0, 1.0, "cpu")[0]
     mag = {"retention_ratio": 0.2, "magcache_K": 2, **options}  # the node's defaults
-    return module.MagCache().apply_magcache(model, MODEL_TYPE[kind], threshold, mag["retention_ratio"],
+    return module.MagCache().apply_magcache(model, model_type, threshold, mag["retention_ratio"],
                                             mag["magcache_K"], 0, -1)[0]
 
 
