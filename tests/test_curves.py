@@ -262,12 +262,14 @@ def test_cli_takes_caches_and_their_stacks_and_prints_them_in_its_command(capsys
     args = curves.parse_args(["--arch", "flux32", "--set", "caches", "--caches", "LazyCache=0.2,0.5;TeaCache",
                               "--stack-with", "default,0.3fixed", "--stacked-caches", "LazyCache"])
     assert args.caches == {"LazyCache": [0.2, 0.5], "TeaCache": [0.4]}  # a name alone: its node's default
+    assert [curves.stack_toma(v) for v in ("default", "0.5", "0.3fixed")] == [(None, "auto"), (0.5, "on"), (0.3, "off")]
     assert ("--set caches --caches 'LazyCache=0.2,0.5;TeaCache=0.4' --stack-with default,0.3fixed "
             "--stacked-caches LazyCache --side 64") in curves.command_line(args)
     for argv, bad in ((["--caches", "FooCache=0.2"], "names are EasyCache"),
                       (["--caches", "LazyCache=0"], "LazyCache threshold: above 0"),
                       (["--caches", "LazyCache=a"], "LazyCache's thresholds"),
-                      (["--stack-with", "0.4"], "--stack-with: comma list of default, 0.3, 0.2, 0.3fixed"),
+                      (["--stack-with", "0.3,1.5fixed"], "--stack-with: default, a ratio R (0 < R < 1) or Rfixed, got '1.5fixed'"),
+                      (["--stack-with", "half"], "got 'half'"),
                       (["--caches", "LazyCache=0.2", "--stacked-caches", "TeaCache"], "caches of --caches")):
         with pytest.raises(SystemExit):
             curves.parse_args(["--arch", "flux32", "--set", "caches", *argv])

@@ -334,9 +334,25 @@ def sparse_front(tn) -> list[Variant]:
     return out
 
 
-# ToMA's rows stacked with a step cache (``--stack-with``): name -> the node default's ratio (None: the kind's)
-# and rotation ("auto": the kind's; the node's settings of the model's kind otherwise: node_default)
-STACK_TOMA = {"default": (None, "auto"), "0.3": (0.3, "on"), "0.2": (0.2, "on"), "0.3fixed": (0.3, "off")}
+# ToMA's rows stacked with a step cache (``--stack-with``): "default" (the basic node's), "R" (the node's settings
+# of the model's kind at ratio R, destinations rotating) or "Rfixed" (the same, fixed): node_default
+STACK_WITH = "default,0.3,0.2,0.3fixed"
+
+
+def stack_toma(name: str) -> tuple:
+    """``--stack-with``'s "default", "0.3" or "0.3fixed" -> (ratio or None, rotation) for node_default."""
+    if name == "default":
+        return None, "auto"
+    ratio = name.removesuffix("fixed")
+    try:
+        value = float(ratio)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1:
+        raise ValueError(f"--stack-with: default, a ratio R (0 < R < 1) or Rfixed, got {name!r}")
+    return value, "off" if name.endswith("fixed") else "on"
+
+
 CACHES = "LazyCache=0.1,0.2,0.3,0.5,0.7,1;EasyCache=0.1,0.2,0.3,0.5;TeaCache=0.25,0.4,0.6;MagCache=0.06,0.12,0.24"
 
 
@@ -358,12 +374,12 @@ def parse_caches(text: str) -> dict:
 
 def cache_front(tn, kind: str, caches: dict, stacks: list[str], stacked: list[str] | None = None) -> list[Variant]:
     """The step caches (toma_bench.step_caches) over their thresholds, alone and (those ``stacked`` names,
-    default all) stacked with each of the ToMA rows ``stacks`` names (STACK_TOMA; ToMA put after the cache),
+    default all) stacked with each of the ToMA rows ``stacks`` names (stack_toma; ToMA put after the cache),
     and those ToMA rows alone. A cache
     whose code is not here (core's before late 2025, a pack without a loading mirror, a pack cache on a
     UNet) is left out, and said why."""
     out = [Variant("unpatched", "", lambda m: m)]
-    tomas = [node_default(tn, *STACK_TOMA[name]) for name in stacks]
+    tomas = [node_default(tn, *stack_toma(name)) for name in stacks]
     out += tomas
     for name, thresholds in caches.items():
         try:
@@ -653,10 +669,10 @@ def parse_args(argv):
                          "rows join the settings' (--variants then picks among the set's rows)")
     ap.add_argument("--caches", default=CACHES,
                     help=f"--set caches: 'NAME=T1,T2;NAME...' (a name alone: its node's default threshold; default {CACHES})")
-    ap.add_argument("--stack-with", default=",".join(STACK_TOMA),
+    ap.add_argument("--stack-with", default=STACK_WITH,
                     help="--set caches: comma list of the ToMA rows each cache is stacked with, and that run alone: "
-                         "default (the basic node's), 0.3 and 0.2 (the node's settings at that ratio, destinations "
-                         "rotating), 0.3fixed (the same, fixed; default: all)")
+                         "default (the basic node's), R (the node's settings of the model's kind at ratio R, "
+                         f"destinations rotating), Rfixed (the same, fixed; default {STACK_WITH})")
     ap.add_argument("--stacked-caches", default=None,
                     help="--set caches: comma list of the caches of --caches that are stacked (default: all)")
     ap.add_argument("--hardware", default="h200",
@@ -730,8 +746,10 @@ def parse_args(argv):
         if any(v not in args.caches for v in args.stacked_caches):
             ap.error(f"--stacked-caches: comma list of the caches of --caches ({', '.join(args.caches)}), "
                      f"got {','.join(args.stacked_caches)}")
-    if any(v not in STACK_TOMA for v in args.stack_with):
-        ap.error(f"--stack-with: comma list of {', '.join(STACK_TOMA)}, got {','.join(args.stack_with)}")
+    try:
+        [stack_toma(v) for v in args.stack_with]
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 

@@ -169,7 +169,7 @@ def _embed_and_final(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.linear(embedded, tokens.new_empty(patch, width))
 
 
-def skipped_call(name: str, x: torch.Tensor, width: int | None = None, read: Callable = float) -> torch.Tensor:
+def skipped_call(name: str, x: torch.Tensor, width: int | None, read: Callable) -> torch.Tensor:
     """What cache ``name`` computes in place of a model call it skips, on the call's latent input ``x``
     (``width``: the DiT's hidden width, for TeaCache and MagCache; ``read``: how a value is read back to
     the host, where the cache decides):
@@ -203,8 +203,7 @@ def skipped_call(name: str, x: torch.Tensor, width: int | None = None, read: Cal
     return hidden
 
 
-def ran_call(name: str, x: torch.Tensor, out: torch.Tensor, width: int | None = None,
-             read: Callable = float) -> None:
+def ran_call(name: str, x: torch.Tensor, out: torch.Tensor, width: int | None, read: Callable) -> None:
     """What cache ``name`` adds to a model call it runs (its bookkeeping; the call itself is the model's):
     core caches the input's and output's change measures, the decision read back, the difference output -
     input and the output's norm kept; TeaCache the modulation and its change (as on a skipped call) and the
