@@ -148,7 +148,8 @@ def draw(panels: list[tuple[dict, str]], path: Path) -> None:
 
     cols = min(2, len(panels))  # two panels a row
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    caches = any(cache_lines(data, model) for data, model in panels)  # their legend goes beside the panel
+    fig, axes = plt.subplots(rows, cols, figsize=((7.6 if caches else 5.2) * cols, 4.2 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.remove()
     for ax, (data, model) in zip(axes.flat, panels):
@@ -174,7 +175,10 @@ def draw(panels: list[tuple[dict, str]], path: Path) -> None:
         ax.set_title(title(data, model), fontsize=7)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, loc="best")
+        if caches:
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        else:
+            ax.legend(fontsize=6, loc="best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
