@@ -146,9 +146,9 @@ def draw(panels: list[tuple[dict, str]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = min(2, len(panels))  # two panels a row
-    rows = -(-len(panels) // cols)
     caches = any(cache_lines(data, model) for data, model in panels)  # their legend goes beside the panel
+    cols = 1 if caches else min(2, len(panels))  # two panels a row, one where a legend is beside it
+    rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=((7.6 if caches else 5.2) * cols, 4.2 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.remove()
