@@ -255,3 +255,73 @@ def test_fronts_draws_a_panel_per_rows_file_with_three_series(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(dict(more, frames=8)))
     with pytest.raises(ValueError, match="another run setup"):
         fronts.panel(f"{path}+{tmp_path / 'other.json'}")
+
+
+# -- the step caches' fronts (--set caches) ----------------------------------------------------------------
+def test_cli_takes_caches_and_their_stacks_and_prints_them_in_its_command(capsys):
+    args = curves.parse_args(["--arch", "flux32", "--set", "caches", "--caches", "LazyCache=0.2,0.5;TeaCache",
+                              "--stack-with", "default,0.3fixed", "--stacked-caches", "LazyCache"])
+    assert args.caches == {"LazyCache": [0.2, 0.5], "TeaCache": [0.4]}  # a name alone: its node's default
+    assert [curves.stack_toma(v) for v in ("default", "0.5", "0.3fixed")] == [(None, "auto"), (0.5, "on"), (0.3, "off")]
+    assert ("--set caches --caches 'LazyCache=0.2,0.5;TeaCache=0.4' --stack-with default,0.3fixed "
+            "--stacked-caches LazyCache --side 64") in curves.command_line(args)
+    for argv, bad in ((["--caches", "FooCache=0.2"], "names are EasyCache"),
+                      (["--caches", "LazyCache=0"], "LazyCache threshold: above 0"),
+                      (["--caches", "LazyCache=a"], "LazyCache's thresholds"),
+                      (["--stack-with", "0.3,1.5fixed"], "--stack-with: default, a ratio R (0 < R < 1) or Rfixed, got '1.5fixed'"),
+                      (["--stack-with", "half"], "got 'half'"),
+                      (["--caches", "LazyCache=0.2", "--stacked-caches", "TeaCache"], "caches of --caches")):
+        with pytest.raises(SystemExit):
+            curves.parse_args(["--arch", "flux32", "--set", "caches", *argv])
+        assert bad in capsys.readouterr().err
+
+
+def test_cache_rows_are_each_cache_alone_and_stacked_with_each_toma_row(pack, capsys):
+    from toma_bench import step_caches
+
+    tn = pack.nodes.toma_nodes
+    rows = curves.cache_front(tn, "sd15", {"LazyCache": [0.2, 0.5], "TeaCache": [0.4]}, ["default", "0.3fixed"])
+    said = capsys.readouterr().out
+    assert "left out: TeaCache serves DiTs, not a sd15 model" in said  # and said why
+    labels = [v.label for v in rows]
+    toma = ["ToMA node default r=auto", "ToMA node default, rotation off r=0.3"]
+    assert labels[:3] == ["unpatched", *toma]
+    if "LazyCache: this ComfyUI has no" in said:  # a tree before core's caches: they are left out, and said why
+        assert len(rows) == 3
+        return
+    assert labels[3:] == [f"{row} t={t}" for t in ("0.2", "0.5")
+                          for row in ("LazyCache", *(f"LazyCache + {label}" for label in toma))]
+    assert isinstance(rows[4].patch, step_caches.Stacked) and rows[4].patch.toma is not None
+    assert rows[3].patch.toma is None and (rows[3].patch.name, rows[3].patch.threshold) == ("LazyCache", 0.2)
+    alone = curves.cache_front(tn, "sd15", {"LazyCache": [0.2]}, ["default"], stacked=[])
+    assert [v.label for v in alone] == ["unpatched", "ToMA node default r=auto", "LazyCache t=0.2"]
+
+
+def test_fronts_draws_each_cache_and_each_stack_as_a_line(tmp_path):
+    from toma_bench import fronts
+
+    def row(family, setting, speed, psnr):
+        return {"label": f"{family} {setting}", "family": family, "setting": setting, "speed_up": {"flux": speed},
+                "psnr": psnr}
+
+    data = {"arch": "flux32", "side": 128, "frames": None, "batch": 4, "steps": 20, "hardware": "h200",
+            "regime": "eager", "real": {"flux": "FLUX.1-dev 1024x1024 (...)"},
+            "rows": [row("unpatched", "", 1.0, None), row("ToMA node default", "r=auto", 1.48, 22.5),
+                     row("ToMA node default, rotation off", "r=0.3", 1.29, 26.0),
+                     row("LazyCache", "t=0.5", 2.0, 27.5), row("LazyCache", "t=0.2", 1.54, 34.2),
+                     row("LazyCache + ToMA node default r=auto", "t=0.2", 2.1, 22.8),
+                     row("LazyCache + ToMA node default, rotation on r=0.3", "t=0.2", 1.8, 27.9),
+                     row("LazyCache + ToMA node default, rotation off r=0.3", "t=0.2", 1.9, 26.2),
+                     row("TeaCache", "t=0.4", 1.9, 30.0)]}
+    lines = fronts.cache_lines(data, "flux")
+    assert lines == {("LazyCache", ""): [(1.54, 34.2, "0.2", False), (2.0, 27.5, "0.5", False)],
+                     ("LazyCache", "ToMA default"): [(2.1, 22.8, "0.2", False)],
+                     ("LazyCache", "ToMA r=0.3"): [(1.8, 27.9, "0.2", False)],
+                     ("LazyCache", "ToMA r=0.3 fixed"): [(1.9, 26.2, "0.2", True)],
+                     ("TeaCache", ""): [(1.9, 30.0, "0.4", False)]}
+    # the ToMA rows beside them: the default rotates, the row that turns rotation off is fixed
+    assert fronts.series(data, "flux")["ToMA"] == [(1.29, 26.0, "0.3", True), (1.48, 22.5, "default", False)]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(data))
+    fronts.main([str(path), "--out", str(tmp_path / "fronts.png")])
+    assert (tmp_path / "fronts.png").stat().st_size > 1000

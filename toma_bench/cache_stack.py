@@ -10,21 +10,16 @@ import argparse
 
 import torch
 
-from . import comfy_host, models, pack_source, sampling
+from . import comfy_host, models, sampling, step_caches
 
-FAMILIES = {  # name -> (build, conditioning, latent, TeaCache model_type, MagCache model_type)
+FAMILIES = {  # name -> (build, conditioning, latent, the caches' model_type)
     "flux": (lambda: models.build_flux(seed=1), lambda: models.dit_conditioning("flux", models.FLUX_TINY, 1, 77, 0),
-             (1, 16, 27, 39), "flux", "flux"),
+             (1, 16, 27, 39), "flux"),
     "wan": (lambda: models.build_wan("t2v", seed=1), lambda: models.wan_conditioning(models.WAN_TINY, 1, 77, 0),
-            (1, 16, 5, 13, 19), "wan2.1_t2v_1.3B", "wan2.1_t2v_1.3B"),
+            (1, 16, 5, 13, 19), "wan2.1_t2v_1.3B"),
 }
-
-
-def cached(name: str, module, model, family: str):
-    _, _, _, tea, mag = FAMILIES[family]
-    if name == "teacache":
-        return module.TeaCache().apply_teacache(model, tea, 0.4, 0.0, 1.0, "cpu")[0]
-    return module.MagCache().apply_magcache(model, mag, 0.3, 0.2, 6, 0, -1)[0]
+# each cache's threshold and other inputs (those tests/test_cache_stacking.py uses)
+SETTINGS = {"TeaCache": (0.4, {}), "MagCache": (0.3, {"magcache_K": 6})}
 
 
 def main(argv=None) -> None:
@@ -36,22 +31,22 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     print("| cache | model | model calls | skipped by the cache | ToMA in the calls that ran |")
     print("| --- | --- | --- | --- | --- |")
-    for name in ("teacache", "magcache"):
+    for name, (threshold, options) in SETTINGS.items():
         try:
-            module = pack_source.load(name)
-        except (FileNotFoundError, ImportError) as why:
+            cache = f"{name} ({step_caches.pack_module(name).origin})"
+        except step_caches.CacheMissing as why:
             print(f"| {name} | - | {why} | | |")
             continue
-        cache = f"{name} ({module.origin})"
-        for family, (build, conditioning, latent, _, _) in FAMILIES.items():
-            stacked = cached(name, module, build(), family)
+        for family, (build, conditioning, latent, model_type) in FAMILIES.items():
+            stacked = step_caches.apply(name, build(), threshold, family, model_type=model_type, **options)
             (patched,) = pack.nodes.toma_nodes.ToMAPatchModelAdvanced().patch(stacked, 0.5, 4, 1)
-            sampling.sample(patched, conditioning(), torch.zeros(latent), steps=args.steps, scheduler="simple")
+            with step_caches.counted(patched) as (ran, callback):
+                sampling.sample(patched, conditioning(), torch.zeros(latent), steps=args.steps, scheduler="simple",
+                                callback=callback)
             summary = pack.nodes.runtime.runtime_of(patched).summary()
-            ran = max((level["steps"] for level in summary["levels"].values()), default=0)
             merged = ", ".join(f"{label}: {v['tokens']} -> {v['merged_tokens']} tokens"
                                for label, v in summary["levels"].items()) or f"nothing ({summary['unmerged']})"
-            print(f"| {cache} | {family} | {args.steps} | {args.steps - ran} | {merged} |")
+            print(f"| {cache} | {family} | {args.steps} | {ran.count(False)} | {merged} |")
 
 
 if __name__ == "__main__":

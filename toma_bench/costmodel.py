@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from . import comfy_host, ltx2_source, models, pack_source, run
+from . import comfy_host, ltx2_source, models, pack_source, run, step_caches
 from .run import comfy_tome
 from .gpuclock import PROFILES, REGIMES, Hardware, call_cost, fused, profile, swept
 from .oprecord import recording, to_meta
@@ -301,9 +301,15 @@ def model_classes(spec: Spec):
 @dataclass(frozen=True)
 class Variant(run.Variant):
     """A variant as the cost model records it; meta_scalar: the answer to a data-dependent read on the
-    meta device (CA-ToMe's merge count), fixed and said so in the label."""
+    meta device (CA-ToMe's merge count), fixed and said so in the label. ``cache``: a step cache
+    (toma_bench.step_caches) ran in the proxy run, which ran the model at the steps ``calls_ran`` marks: the
+    real-size model is called at those steps only, each other step priced at what the cache computes in
+    place of the call (step_caches.skipped_call), each call that runs with the cache's bookkeeping added
+    (step_caches.ran_call); ``patch`` is then what runs inside the calls (ToMA, or nothing)."""
 
     meta_scalar: int | None = None
+    cache: str | None = None
+    calls_ran: tuple | None = None
 
 
 def variants_for(name: str, pack) -> list[Variant]:
@@ -371,13 +377,18 @@ def rotations(tn) -> list[Variant]:
 
 
 # -- recording a sampling run on the meta device --------------------------------------------------------
-def probe_sampler(model, x, sigmas, extra_args=None, callback=None, disable=None):
+def probe_sampler(model, x, sigmas, extra_args=None, callback=None, disable=None, ran=None, skip=None):
     """A sampler that calls the model once at every sigma and keeps ``x``: the outputs live on the meta
     device, and what the model costs does not depend on their values. It reports each step it finishes
-    to ``callback``, as ComfyUI's k-diffusion samplers do (the pack locates model calls by those reports)."""
+    to ``callback``, as ComfyUI's k-diffusion samplers do (the pack locates model calls by those reports).
+    ``ran``: for a run of as many steps, the steps whose model call runs; ``skip(x)`` stands in for the others."""
     s_in = x.new_ones([x.shape[0]])
+    ran = ran if ran is not None and len(ran) == len(sigmas) - 1 else None
     for i in range(len(sigmas) - 1):
-        denoised = model(x, sigmas[i] * s_in, **(extra_args or {}))
+        if ran is None or ran[i]:
+            denoised = model(x, sigmas[i] * s_in, **(extra_args or {}))
+        else:
+            denoised = skip(x)
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
     return x
@@ -536,6 +547,14 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int, host_bo
     for pace in paces if host_bound else ():
         pace.events = lambda device: HostBoundEvent()
     holder = {}
+    if variant.calls_ran is not None and (len(variant.calls_ran) != steps or spec.tree is not None):
+        raise ValueError(f"{variant.label}: {len(variant.calls_ran)} calls ran in the proxy run, for a run of "
+                         f"{steps} steps{' on the host sampler' if spec.tree is not None else ''}")
+    width = step_caches.hidden_width(base.model.diffusion_model)
+    conds = 1 if spec.cfg == 1 else 2  # CFG batched: the model's calls carry cond and uncond
+
+    def read(_):  # a value the cache reads back to decide: the host waits for the device
+        holder["rec"].add("_local_scalar_dense", "elementwise", 0, 8, True, True)
 
     def wrapper(apply_model, args):
         rec = holder.get("rec")
@@ -544,11 +563,22 @@ def record_variant(base, spec: Spec, variant: Variant, pack, steps: int, host_bo
         c = {k: v if k == "transformer_options" else tree_map(to_meta, v) for k, v in args["c"].items()}
         timestep = args["timestep"] if spec.host_timestep else to_meta(args["timestep"])
         with rec.model_call() if rec is not None else contextlib.nullcontext():
-            return apply_model(to_meta(args["input"]), timestep, **c)
+            x = to_meta(args["input"])
+            out = apply_model(x, timestep, **c)
+            if variant.cache is not None and rec is not None:
+                step_caches.ran_call(variant.cache, x, out, width, read)
+            return out
+
+    def skip(x):
+        latent = torch.empty(x.shape[0] * (1 if variant.cache == "LazyCache" else conds), *x.shape[1:],
+                             device="meta", dtype=torch.float32 if variant.cache == "LazyCache" else DTYPE)
+        with holder["rec"].model_call():
+            step_caches.skipped_call(variant.cache, latent, width, read)
+        return x
 
     model = model.clone()
     model.set_model_unet_function_wrapper(wrapper)
-    sampler = comfy.samplers.KSAMPLER(probe_sampler)
+    sampler = comfy.samplers.KSAMPLER(probe_sampler, extra_options={"ran": variant.calls_ran, "skip": skip})
     failed = FailedPlans()
     logger = logging.getLogger("ComfyUI-ToMA")
     logger.addHandler(failed)

@@ -48,6 +48,7 @@ line per method), a picture grid (``<out>/curves_<arch>_<set>_<side>_samples.png
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -56,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from . import comfy_host, costmodel, proxy, run, sampling, sparse_attention
+from . import comfy_host, costmodel, proxy, run, sampling, sparse_attention, step_caches
 from .gpuclock import REGIMES, profile
 from .metrics import psnr, relative_l2, ssim
 from .tables import format_cell, format_table
@@ -333,6 +334,71 @@ def sparse_front(tn) -> list[Variant]:
     return out
 
 
+# ToMA's rows stacked with a step cache (``--stack-with``): "default" (the basic node's), "R" (the node's settings
+# of the model's kind at ratio R, destinations rotating) or "Rfixed" (the same, fixed): node_default
+STACK_WITH = "default,0.3,0.2,0.3fixed"
+
+
+def stack_toma(name: str) -> tuple:
+    """``--stack-with``'s "default", "0.3" or "0.3fixed" -> (ratio or None, rotation) for node_default."""
+    if name == "default":
+        return None, "auto"
+    ratio = name.removesuffix("fixed")
+    try:
+        value = float(ratio)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1:
+        raise ValueError(f"--stack-with: default, a ratio R (0 < R < 1) or Rfixed, got {name!r}")
+    return value, "off" if name.endswith("fixed") else "on"
+
+
+CACHES = "LazyCache=0.1,0.2,0.3,0.5,0.7,1;EasyCache=0.1,0.2,0.3,0.5;TeaCache=0.25,0.4,0.6;MagCache=0.06,0.12,0.24"
+
+
+def parse_caches(text: str) -> dict:
+    """``--caches``'s "LazyCache=0.2,0.5;TeaCache" -> {name: thresholds} (a name alone: its node's default)."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, values = part.partition("=")
+        if name not in step_caches.NAMES:
+            raise ValueError(f"--caches: names are {', '.join(step_caches.NAMES)}, got {name!r}")
+        try:
+            out[name] = [float(v) for v in values.split(",")] if values else [step_caches.DEFAULT_THRESHOLD[name]]
+            for t in out[name]:
+                step_caches.check(name, t)
+        except ValueError as e:
+            raise ValueError(f"--caches: {name}'s thresholds: {e}") from None
+    return out
+
+
+def cache_front(tn, kind: str, caches: dict, stacks: list[str], stacked: list[str] | None = None) -> list[Variant]:
+    """The step caches (toma_bench.step_caches) over their thresholds, alone and (those ``stacked`` names,
+    default all) stacked with each of the ToMA rows ``stacks`` names (stack_toma; ToMA put after the cache),
+    and those ToMA rows alone. A cache
+    whose code is not here (core's before late 2025, a pack without a loading mirror, a pack cache on a
+    UNet) is left out, and said why."""
+    out = [Variant("unpatched", "", lambda m: m)]
+    tomas = [node_default(tn, *stack_toma(name)) for name in stacks]
+    out += tomas
+    for name, thresholds in caches.items():
+        try:
+            if name in step_caches.PACKED:
+                if kind not in step_caches.MODEL_TYPE:
+                    raise step_caches.CacheMissing(f"{name} serves DiTs, not a {kind} model")
+                step_caches.pack_module(name)
+            elif importlib.util.find_spec("comfy_extras.nodes_easycache") is None:
+                raise step_caches.CacheMissing(f"{name}: this ComfyUI has no comfy_extras/nodes_easycache.py")
+        except step_caches.CacheMissing as why:
+            print(f"left out: {why}", flush=True)
+            continue
+        for t in thresholds:
+            out.append(Variant(name, f"t={t:g}", step_caches.Stacked(name, t, kind)))
+            out += [Variant(f"{name} + {v.label}", f"t={t:g}", step_caches.Stacked(name, t, kind, v.patch))
+                    for v in tomas if stacked is None or name in stacked]
+    return out
+
+
 def setting_values(tn, text: str) -> dict:
     """``--setting``'s "ratio=0.75,scope=block,start_percent=0.3" -> the Advanced node's inputs, each
     converted to its input's type (INT, FLOAT, BOOLEAN true/false, or one of a combo's choices) and
@@ -414,13 +480,16 @@ class Run:
     latent: torch.Tensor
     wall: float
     cpu: float
+    calls_ran: tuple  # per step, whether the model's blocks ran (a step cache skips some)
 
 
 def sample_once(model, args) -> Run:
-    with sampling.seeded_global_rngs(SEED):  # ComfyUI's TomePatchModel draws from the global RNGs
+    step_caches.clear_state(model)
+    with sampling.seeded_global_rngs(SEED), step_caches.counted(model) as (ran, callback):
+        # (ComfyUI's TomePatchModel draws from the global RNGs)
         latent, wall, cpu = run.timed(lambda: proxy.sample(model, SEED, args.batch, args.steps, side=args.side,
-                                                           frames=args.frames))
-    return Run(latent.float(), wall, cpu)
+                                                           frames=args.frames, callback=callback))
+    return Run(latent.float(), wall, cpu, tuple(ran))
 
 
 @dataclasses.dataclass
@@ -438,6 +507,7 @@ class Row:
     gpu_speedup: float | None = None  # the cost model's, of the real-size model with the same setting
     flops_saved: float | None = None  # % of the real-size model's FLOPs per step
     regime_speedups: dict | None = None  # the cost model's speed-up in each of --regimes
+    calls_ran: tuple = ()  # per step, whether the model's blocks ran in the fidelity run
 
 
 def measure(base, variants: list[Variant], args, pack, progress=print):
@@ -451,8 +521,9 @@ def measure(base, variants: list[Variant], args, pack, progress=print):
 
     def timed_run(i):
         again = sample_once(patched[i], args)
-        if not torch.equal(again.latent, first[i].latent):
-            raise RuntimeError(f"{variants[i].label}: a repeat sampled other latents than the first run")
+        if not torch.equal(again.latent, first[i].latent) or again.calls_ran != first[i].calls_ran:
+            raise RuntimeError(f"{variants[i].label}: a repeat sampled other latents (or ran other model calls) "
+                               "than the first run")
         return again.wall, again.cpu
 
     timings = run.interleave(list(range(len(variants))), args.repeats, timed_run, progress)
@@ -464,7 +535,8 @@ def measure(base, variants: list[Variant], args, pack, progress=print):
         cpu_speedup, *cpu_spread = t.speedups(timings[0], "cpu")
         rows.append(Row(v, t.median_cpu, t.median_wall, cpu_speedup, tuple(cpu_spread),
                         t.speedups(timings[0], "wall")[0], removed[i], psnr(pictures[i], pictures[0]),
-                        ssim(pictures[i], pictures[0]), relative_l2(first[i].latent, first[0].latent)))
+                        ssim(pictures[i], pictures[0]), relative_l2(first[i].latent, first[0].latent),
+                        calls_ran=first[i].calls_ran))
     return rows, pictures
 
 
@@ -480,13 +552,22 @@ def merge_count(row: Row) -> int | None:
     return round(row.removed * costmodel.UNET_LEVEL_TOKENS)
 
 
+def cost_variant(row: Row) -> costmodel.Variant:
+    """What the cost model records for ``row``: its patch; where a step cache ran, the patch inside the
+    calls, the cache and the calls it ran in the proxy run (costmodel.Variant)."""
+    patch = row.variant.patch
+    if isinstance(patch, step_caches.Stacked):
+        return costmodel.Variant(row.variant.label, patch=patch.cost_patch, cache=patch.name,
+                                 calls_ran=row.calls_ran)
+    return costmodel.Variant(row.variant.label, patch=patch, meta_scalar=merge_count(row))
+
+
 def gpu_clock(rows: list[Row], pack, args, progress=print, real: str | None = None) -> None:
     """Fill each row's modelled GPU speed-up and FLOPs saved: the cost model records the real-size model
     of the proxy's family (``real``: another costmodel row; default ``--real``) patched with the same setting,
     for as many steps as the proxy runs."""
     spec = costmodel.SPECS[real or args.real]
-    recorded = costmodel.record_model(spec, pack, args.steps,
-                                      [costmodel.Variant(r.variant.label, patch=r.variant.patch, meta_scalar=merge_count(r)) for r in rows],
+    recorded = costmodel.record_model(spec, pack, args.steps, [cost_variant(r) for r in rows],
                                       progress=progress, traced=any(REGIMES[r].traced for r in args.regimes))
     hw = profile(args.hardware)
     priced = {regime: costmodel.price(recorded, hw, "pipelined", False, regime) for regime in args.regimes}
@@ -500,11 +581,12 @@ def gpu_clock(rows: list[Row], pack, args, progress=print, real: str | None = No
 def table(rows: list[Row], hardware: str = "GPU", regimes: tuple = ("eager",)) -> str:
     """The rows; the speed-up in the first of ``regimes`` after the label, the others' at the end."""
     more = list(regimes[1:]) if rows and rows[0].regime_speedups else []
-    head = ["variant", f"{hardware} speed-up", "FLOPs saved", "PSNR dB", "SSIM", "latent relL2", "removed",
+    head = ["variant", f"{hardware} speed-up", "FLOPs saved", "PSNR dB", "SSIM", "latent relL2", "removed", "calls",
             "CPU s", "wall s", "CPU speed-up", "spread", "wall speed-up"] + [f"{hardware} {r}" for r in more]
     lines = [[r.variant.label, format_cell(r.gpu_speedup, "{:.3f}x"), format_cell(r.flops_saved, "{:.1f}%"),
               "inf" if math.isinf(r.psnr) else f"{r.psnr:.2f}", f"{r.ssim:.4f}", f"{r.latent_rel_l2:.4f}",
-              format_cell(r.removed and 100 * r.removed, "{:.0f}%"), f"{r.cpu:.2f}", f"{r.wall:.2f}",
+              format_cell(r.removed and 100 * r.removed, "{:.0f}%"), f"{sum(r.calls_ran)}/{len(r.calls_ran)}",
+              f"{r.cpu:.2f}", f"{r.wall:.2f}",
               f"{r.cpu_speedup:.3f}x", f"{r.cpu_spread[0]:.2f}-{r.cpu_spread[1]:.2f}", f"{r.wall_speedup:.3f}x"]
              + [f"{r.regime_speedups[regime]:.3f}x" for regime in more]
              for r in rows]
@@ -575,14 +657,24 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m toma_bench.curves", description=__doc__.split("\n\n")[0])
     # pictures only: the wan proxy samples clips
     ap.add_argument("--arch", choices=list(proxy.SPECS), default="sd15", help="which trained proxy (default sd15)")
-    ap.add_argument("--set", choices=["methods", "toma", "placements", "front", "fewsteps", "sparse"], default=None,
+    ap.add_argument("--set", choices=["methods", "toma", "placements", "front", "fewsteps", "sparse", "caches"],
+                    default=None,
                     help="methods (the default): every method's knob swept; toma: ToMA's settings around its defaults; "
                          "placements (UNet proxies): ToMA's placements and fidelity fixes against the baselines; "
                          "front (DiT proxies): the settings around the DiT default; fewsteps (DiT proxies): "
                          "start and reuse for few-step runs (use with --steps 8); sparse (video proxies, a ComfyUI "
                          "with the sparse node's protocol: v0.33.0): core's sparse attention alone and stacked with "
-                         "ToMA (toma_bench.sparse_attention); with --setting, its rows join the settings' (--variants then picks among "
-                         "the set's rows)")
+                         "ToMA (toma_bench.sparse_attention); caches: the step caches of --caches alone and "
+                         "stacked with the ToMA rows of --stack-with (toma_bench.step_caches); with --setting, its "
+                         "rows join the settings' (--variants then picks among the set's rows)")
+    ap.add_argument("--caches", default=CACHES,
+                    help=f"--set caches: 'NAME=T1,T2;NAME...' (a name alone: its node's default threshold; default {CACHES})")
+    ap.add_argument("--stack-with", default=STACK_WITH,
+                    help="--set caches: comma list of the ToMA rows each cache is stacked with, and that run alone: "
+                         "default (the basic node's), R (the node's settings of the model's kind at ratio R, "
+                         f"destinations rotating), Rfixed (the same, fixed; default {STACK_WITH})")
+    ap.add_argument("--stacked-caches", default=None,
+                    help="--set caches: comma list of the caches of --caches that are stacked (default: all)")
     ap.add_argument("--hardware", default="h200",
                     help="the cost model's GPU profile for the speed axis (toma_bench.gpuclock; default h200); "
                          "'cpu': no cost model, the process CPU time is the axis")
@@ -644,6 +736,20 @@ def parse_args(argv):
         ap.error(f"--also-real: comma list of {', '.join(costmodel.SPECS)}, got {','.join(args.also_real)}")
     if args.set is None and not args.setting:
         args.set = "methods"
+    try:
+        args.caches = parse_caches(args.caches)
+    except ValueError as e:
+        ap.error(str(e))
+    args.stack_with = [v.strip() for v in args.stack_with.split(",") if v.strip()]
+    if args.stacked_caches is not None:
+        args.stacked_caches = [v.strip() for v in args.stacked_caches.split(",") if v.strip()]
+        if any(v not in args.caches for v in args.stacked_caches):
+            ap.error(f"--stacked-caches: comma list of the caches of --caches ({', '.join(args.caches)}), "
+                     f"got {','.join(args.stacked_caches)}")
+    try:
+        [stack_toma(v) for v in args.stack_with]
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -655,6 +761,11 @@ def command_line(args) -> str:
     variants = f" --variants '{';'.join(args.variants)}'" if args.variants else ""
     frames = "" if args.frames is None else f" --frames {args.frames}"
     rows = "".join(f" --setting {v}" for v in args.setting) + (f" --set {args.set}" if args.set else "")
+    if args.set == "caches":
+        caches = ";".join(f"{name}={','.join(f'{t:g}' for t in ts)}" for name, ts in args.caches.items())
+        rows += f" --caches '{caches}' --stack-with {','.join(args.stack_with)}"
+        if args.stacked_caches is not None:
+            rows += f" --stacked-caches {','.join(args.stacked_caches)}"
     return (f"python -m toma_bench.curves --arch {args.arch}{rows} --side {args.side}{frames} --batch {args.batch} "
             f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --hardware {args.hardware}"
             f"{regimes}{real}{also}{variants}")
@@ -671,6 +782,8 @@ def set_rows(tn, args) -> list[Variant]:
         return few_steps(tn)
     if args.set == "sparse":
         return sparse_front(tn)
+    if args.set == "caches":
+        return cache_front(tn, kind, args.caches, args.stack_with, args.stacked_caches)
     if kind == "wan":
         return video_methods(tn)
     if kind == "flux":
@@ -702,6 +815,7 @@ def json_rows(rows: list[Row], args, also: dict) -> dict:
             "real": {m: costmodel.SPECS[m].title for m in models},
             "rows": [{"label": r.variant.label, "family": r.variant.family, "setting": r.variant.setting,
                       "speed_up": {args.real: r.gpu_speedup, **{m: rows_[i].gpu_speedup for m, rows_ in also.items()}},
+                      "calls_ran": sum(r.calls_ran), "skipped_steps": [i for i, ran in enumerate(r.calls_ran) if not ran],
                       "flops_saved": r.flops_saved, "psnr": None if math.isinf(r.psnr) else r.psnr,
                       "ssim": r.ssim, "latent_rel_l2": r.latent_rel_l2} for i, r in enumerate(rows)]}
 

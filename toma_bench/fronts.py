@@ -1,6 +1,9 @@
 """Several speed-vs-fidelity fronts in one figure, from the rows ``python -m toma_bench.curves --out DIR`` writes
 (``DIR/curves_<arch>_<set>_<side>.json``): a panel per front, PSNR against the modelled GPU speed-up, ToMA,
-DiTo and ToMeSD as three marked series (ToMA's rows with fixed destinations hollow).
+DiTo and ToMeSD as three marked series (ToMA's rows with fixed destinations hollow), and the step caches of
+``curves --set caches`` (toma_bench.step_caches): a line per cache over its thresholds, and a line per stack of
+the cache with a ToMA setting (dashed; hollow where ToMA's destinations stay fixed), each point labelled by its
+threshold.
 
     python -m toma_bench.fronts ROWS.json[+MORE.json...][:MODEL] ... --out FIGURE.png
 
@@ -11,6 +14,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from .step_caches import NAMES
 
 # the three series: (name, how its rows' families begin, marker, colour)
 SERIES = (("ToMA", "ToMA", "o", "C0"), ("DiTo", "DiTo", "s", "C3"), ("ToMeSD", "ToMeSD", "^", "C2"))
@@ -51,8 +56,45 @@ def panel(spec: str) -> tuple[dict, str]:
 
 def is_fixed(family: str) -> bool:
     """A ToMA row whose destinations stay fixed: a --setting row that does not turn rotation on (the node's
-    default rows take the kind's preset, which rotates on DiTs)."""
-    return family.startswith("ToMA") and "node default" not in family and "rotation on" not in family
+    default rows take the kind's preset, which rotates on DiTs), or a row that turns it off."""
+    return family.startswith("ToMA") and ("rotation off" in family or
+                                          "node default" not in family and "rotation on" not in family)
+
+
+CACHE_COLOURS = dict(zip(NAMES, ("C2", "C1", "C4", "C5")))
+CACHE_MARKERS = dict(zip(NAMES, "DvPX"))
+# the ToMA row of a stack, in a few words: its family's tail after "<cache> + ToMA node default"
+STACKED_TOMA = {"": "ToMA default", ", rotation on": "ToMA r={ratio}", ", rotation off": "ToMA r={ratio} fixed"}
+
+
+def cache_lines(data: dict, model: str) -> dict:
+    """(cache, ToMA words or "") -> [(speed-up, PSNR, threshold text, fixed), ...] by speed-up: the rows of each
+    step cache alone and of each of its stacks with a ToMA row (``curves.cache_front``'s families)."""
+    out = {}
+    for row in data["rows"]:
+        cache, plus, toma = row["family"].partition(" + ")
+        speed = row["speed_up"].get(model)
+        if cache not in NAMES or speed is None:
+            continue
+        words = ""
+        if plus:
+            tail, _, ratio = toma.removeprefix("ToMA node default").rpartition(" r=")
+            words = STACKED_TOMA.get(tail, toma).format(ratio=ratio)
+        psnr = PSNR_TOP if row["psnr"] is None else min(row["psnr"], PSNR_TOP)
+        out.setdefault((cache, words), []).append((speed, psnr, row["setting"].removeprefix("t="),
+                                                   words.endswith("fixed")))
+    return {key: sorted(points) for key, points in out.items()}
+
+
+def draw_caches(ax, data: dict, model: str) -> None:
+    styles = {}
+    for (cache, words), points in cache_lines(data, model).items():
+        ls = styles.setdefault(words, ("-", "--", ":", "-.")[len(styles) % 4])
+        colour, marker = CACHE_COLOURS[cache], CACHE_MARKERS[cache]
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=colour, ls=ls, lw=1, marker=marker, ms=5,
+                mfc="none" if words.endswith("fixed") else colour, label=cache + (f" + {words}" if words else " alone"))
+        for x, y, threshold, _ in points:
+            ax.annotate(threshold, (x, y), textcoords="offset points", xytext=(3, -8), fontsize=6, color=colour)
 
 
 SCOPES = {"scope block": "blocks", "scope keys/values": "KV"}  # a ToMA row's scope, named where a panel has several
@@ -104,9 +146,10 @@ def draw(panels: list[tuple[dict, str]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = min(2, len(panels))  # two panels a row
+    caches = any(cache_lines(data, model) for data, model in panels)  # their legend goes beside the panel
+    cols = 1 if caches else min(2, len(panels))  # two panels a row, one where a legend is beside it
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=((7.6 if caches else 5.2) * cols, 4.2 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.remove()
     for ax, (data, model) in zip(axes.flat, panels):
@@ -125,13 +168,17 @@ def draw(panels: list[tuple[dict, str]], path: Path) -> None:
                         color=colour, label=f"{name}, fixed destinations")
             for x, y, ratio, _ in points:
                 ax.annotate(ratio, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=colour)
+        draw_caches(ax, data, model)
         ax.axvline(1.0, color="0.6", lw=0.8, ls="--")
         ax.set_xlabel("speed-up vs unpatched, modelled (x)", fontsize=8)
         ax.set_ylabel(f"PSNR vs unpatched, measured on the proxy (dB; above {PSNR_TOP:g} at the top)", fontsize=7)
         ax.set_title(title(data, model), fontsize=7)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, loc="best")
+        if caches:
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        else:
+            ax.legend(fontsize=6, loc="best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

@@ -321,11 +321,12 @@ def conditioning(model, batch: int = 1):
 
 # -- sampling -----------------------------------------------------------------------------------------
 def sample(model, seed: int = 0, batch: int = 16, steps: int = 20, sampler: str = "euler",
-           scheduler: str | None = None, side: int = LATENT_SIDE, frames: int | None = None) -> torch.Tensor:
+           scheduler: str | None = None, side: int = LATENT_SIDE, frames: int | None = None,
+           callback=None) -> torch.Tensor:
     """LATENT samples (batch, C, side, side), for wan clips (batch, C, frames, side, side), drawn from
     seeded noise by ComfyUI's sampler (cfg 1: the proxies are unconditional). ``scheduler``: default
     normal for sd15, simple for flux and wan. ``frames``: latent frames of a clip (default: the proxy's
-    training clips'); pictures have none."""
+    training clips'); pictures have none. ``callback``: the sampler's, called after each step."""
     spec = spec_of(arch_of(model))
     if frames is not None and not spec.frames:
         raise ValueError(f"frames is for the video proxies; {arch_of(model)} samples pictures")
@@ -333,7 +334,7 @@ def sample(model, seed: int = 0, batch: int = 16, steps: int = 20, sampler: str 
     latent = torch.zeros(batch, spec.channels, *frames, side, side)
     with torch.no_grad():
         return sampling.sample(model, conditioning(model, batch), latent, steps=steps, sampler=sampler,
-                               scheduler=scheduler or spec.scheduler, seed=seed)
+                               scheduler=scheduler or spec.scheduler, seed=seed, callback=callback)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from . import comfy_host, models, run, sampling
+from . import comfy_host, models, run, sampling, step_caches
 from .metrics import relative_l2
 from .tables import format_cell, format_table
 
@@ -215,11 +215,8 @@ STACK_VARIANTS = ("unpatched", "ToMA", "EasyCache", "EasyCache + ToMA")
 
 
 def easycache(model):
-    """ComfyUI's EasyCache node applied to ``model`` with its default inputs."""
-    from comfy_extras.nodes_easycache import EasyCacheNode
-
-    out = EasyCacheNode.execute(model, reuse_threshold=0.2, start_percent=0.15, end_percent=0.95, verbose=False)
-    return out.args[0] if hasattr(out, "args") else out[0]
+    """ComfyUI's EasyCache node applied to ``model`` with its default inputs (toma_bench.step_caches)."""
+    return step_caches.apply("EasyCache", model, kind="wan")
 
 
 def measure_stack(pack, model, config: dict, args, aspect: str, frames: int) -> tuple[str, list[tuple[int, list[dict]]]]:
@@ -234,31 +231,27 @@ def measure_stack(pack, model, config: dict, args, aspect: str, frames: int) -> 
              "EasyCache + ToMA": easycache(toma_model)}
     names = {"unpatched": "unpatched", "ToMA": f"ToMA {ratio:g}, {temporal} frame{'s' if temporal > 1 else ''}",
              "EasyCache": "EasyCache", "EasyCache + ToMA": f"EasyCache + ToMA {ratio:g}"}
-    calls = [0]
-    hook = model.model.diffusion_model.blocks[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
 
-    def sample(m, steps):
-        return sampling.sample(m, conditioning, latent, steps=steps, scheduler="simple", denoise=1.0, noise=noise)
+    def sample(m, steps, callback=None):
+        return sampling.sample(m, conditioning, latent, steps=steps, scheduler="simple", denoise=1.0, noise=noise,
+                               callback=callback)
 
     runs = [(v, s) for s in args.stack_steps for v in STACK_VARIANTS]
     results = {key: {"calls": [], "out": None} for key in runs}
 
     def whole_run(key):
         v, steps = key
-        before = calls[0]
-        out, wall, cpu = run.timed(lambda: sample(built[v], steps), run.device_sync(args.device))
-        results[key]["calls"].append(calls[0] - before)
+        with step_caches.counted(built[v]) as (ran, callback):
+            out, wall, cpu = run.timed(lambda: sample(built[v], steps, callback), run.device_sync(args.device))
+        results[key]["calls"].append(sum(ran))
         if results[key]["out"] is None:
             results[key]["out"] = out.float()
         return wall, cpu
 
-    try:
-        with torch.inference_mode():
-            sample(model, 2)  # warm-up: loading, kernels, allocator
-            for key, t in zip(runs, run.interleave(runs, args.repeats, whole_run)):
-                results[key]["timings"] = t
-    finally:
-        hook.remove()
+    with torch.inference_mode():
+        sample(model, 2)  # warm-up: loading, kernels, allocator
+        for key, t in zip(runs, run.interleave(runs, args.repeats, whole_run)):
+            results[key]["timings"] = t
 
     tokens = frames * -(-H // 2) * -(-W // 2)
     header = f"{aspect} aspect, latent {frames}x{H}x{W} = {tokens} video tokens"
