@@ -24,7 +24,6 @@ allocation scope). Our code, written after that structure:
   added after every other base block, through "dit" replace patches, which turn the prefix cache off).
 """
 import contextlib
-import importlib
 
 import torch
 import torch.nn as nn
@@ -37,14 +36,16 @@ from .qwen_image21 import (ComfyAttention, PrefixCache, _modulated_norm, _split_
 FOLLOWS = "dd85c0c61865080444635c1ab2264f64cd8013ce"  # feffi/ComfyUI, comfy/ldm/qwen_image21/model.py
 
 
+try:
+    import comfy.model_prefetch as model_prefetch
+except ImportError:  # a tree before the prefetch queues
+    model_prefetch = None
+
+
 def host_prefetch(name: str):
     """``comfy.model_prefetch``'s function ``name``, or None where the host has no such function (v0.33.0 has no
-    malloc graph) or no such module."""
-    try:
-        module = importlib.import_module("comfy.model_prefetch")
-    except ImportError:
-        return None
-    return getattr(module, name, None)
+    malloc graph) or no such module; read at each call (a plain attribute read, which torch.compile traces)."""
+    return getattr(model_prefetch, name, None)
 
 
 def pause_malloc_graph():
