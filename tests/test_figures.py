@@ -47,6 +47,24 @@ def test_the_data_file_is_plain_json_with_every_field():
             assert f["command"].startswith(("python -m toma_bench.", "COMFYUI_PATH=")), (key, f)
 
 
+@pytest.mark.parametrize("block", ["first", "stack"])
+def test_what_to_turn_on_first_and_the_stack_row_are_rendered_from_the_data(block):
+    """The README's "what to turn on first" lines and its "with a step cache" row come from docs/figures.json: a
+    changed option or stack figure makes the README stale, and each names a notebook entry that exists."""
+    data = copy.deepcopy(figures.load())
+    dit = data["kinds"]["dit"]
+    if block == "first":
+        dit["first"]["options"][0]["speed"] = "9.99x"
+    else:
+        dit["stack"]["speed"] = "9.99x"
+    assert REPO / "README.md" in figures.stale(data)
+    anchors = notebook_anchors()
+    for _, kind in figures.kinds(figures.load()):
+        for entry in (kind.get("first"), kind.get("stack")):
+            if entry is not None:
+                assert entry["notebook"] in anchors and entry["command"].startswith("COMFYUI_PATH=")
+
+
 def github_anchor(heading: str) -> str:
     """The anchor GitHub gives a markdown heading."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())

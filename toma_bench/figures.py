@@ -65,6 +65,31 @@ def expect_table(data: dict) -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
+def first_list(data: dict) -> str:
+    """Per kind of model with a "first" entry: what to turn on first (a core step cache, ToMA, or the two
+    together), then each option's modelled speed-up and proxy PSNR, linked to the notebook entry that printed
+    them."""
+    lines = []
+    for _, kind in kinds(data):
+        first = kind.get("first")
+        if first is None:
+            continue
+        options = "".join(f" {o['what']}: {o['speed']}, {o['picture']}." for o in first["options"])
+        source = f" ([{first['date']}](docs/notebook.md#{first['notebook']}))" if first["options"] else ""
+        lines.append(f"- **{kind['short']}** ({first['setup']}): {first['advice']}{options}{source}")
+    return "\n" + "\n".join(lines) + "\n"
+
+
+def stack_table(data: dict) -> str:
+    """The "with a step cache" rows of the README's What to expect: per kind with a "stack" entry, what the node
+    does beside a cache and what the stack gives against the cache alone."""
+    rows = ["| with a step cache | ratio | what merges | speed-up, **modelled** | picture, **measured** | to change it |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    rows += [f"| {s['name']} | {s['ratio']} | {s['merges']} | {s['speed']} | {s['picture']} | {s['tune']} |"
+             for s in (kind["stack"] for _, kind in kinds(data) if "stack" in kind)]
+    return "\n" + "\n".join(rows) + "\n"
+
+
 def help_list(data: dict) -> str:
     lines = [f"- **{kind['short']}**, ratio {kind['ratio']:g}: {kind['merges']}. Modelled {speed_words(kind)}; "
              f"measured on a trained stand-in {picture_words(kind)}." for _, kind in kinds(data)]
@@ -90,7 +115,7 @@ def results_table(data: dict) -> str:
 
 # page -> {block: how it renders}
 RENDERERS = {
-    "README.md": {"ratios": ratio_words, "expect": expect_table},
+    "README.md": {"ratios": ratio_words, "expect": expect_table, "stack": stack_table, "first": first_list},
     "web/docs/ToMAPatchModel.md": {"ratios": ratio_words, "help": help_list},
     "web/docs/ToMAPatchModel/en.md": {"ratios": ratio_words, "help": help_list},
     "web/docs/ToMAPatchModelAdvanced.md": {"ratios": ratio_words},
