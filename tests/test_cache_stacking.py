@@ -21,7 +21,7 @@ import torch
 
 import dit_checks
 from test_family_conformance import ROWS
-from toma_bench import comfy_host, pack_source, sampling
+from toma_bench import comfy_host, pack_source, sampling, step_caches
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
 
@@ -32,10 +32,6 @@ TEACACHE = {"flux": "flux", "wan": "wan2.1_t2v_1.3B", "hunyuan_video": "hunyuan_
             "hidream": "hidream_i1_dev", "ltxv": "ltxv"}
 MAGCACHE = {"flux": "flux", "wan": "wan2.1_t2v_1.3B", "hunyuan_video": "hunyuan_video", "chroma": "chroma",
             "qwen_image": "qwen_image", "hunyuan_video15": "hunyuan_video1.5"}
-# what the caches keep on the diffusion model between calls (and, at times, between runs)
-CACHE_STATE = ("teacache_state", "magcache_state", "accumulated_err", "accumulated_ratio",
-               "accumulated_rel_l1_distance", "accumulated_steps", "cnt", "previous_modulated_input",
-               "previous_residual", "residual_cache")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,10 +66,7 @@ def apply_cache(caches, name, model, family):
 def sample(row, model, steps=STEPS):
     """A zero latent sampled for ``steps`` steps; the caches' state on the diffusion model cleared first (they
     clear it themselves only at the first step of a run they can tell, not on every host)."""
-    dm = model.model.diffusion_model
-    for name in CACHE_STATE:
-        if name in vars(dm):
-            delattr(dm, name)
+    step_caches.clear_state(model)  # TeaCache and MagCache keep theirs on the diffusion model between runs
     frame_axis = [5] if row.video else [1] if row.frame_axis else []
     latent = torch.zeros(1, row.channels, *frame_axis, *row.sizes["odd"])
     return sampling.sample(model, row.text(1, row.texts[0], 0), latent, steps=steps, scheduler="simple")

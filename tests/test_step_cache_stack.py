@@ -15,14 +15,11 @@ import torch
 
 import dit_checks
 from test_family_conformance import ROWS
-from toma_bench import comfy_host, pack_source, sampling
+from toma_bench import comfy_host, pack_source, sampling, step_caches
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not comfy_host.has_current_comfy(), reason=comfy_host.CURRENT_ONLY)]
 
 STEPS = 10  # over the image DiTs' short-run rule (8 steps), where the stack setting applies
-CACHE_STATE = ("teacache_state", "magcache_state", "accumulated_err", "accumulated_ratio",
-               "accumulated_rel_l1_distance", "accumulated_steps", "cnt", "previous_modulated_input",
-               "previous_residual", "residual_cache")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,10 +66,7 @@ def cache_node(name):
 
 
 def sample(row, model, steps=STEPS):
-    dm = model.model.diffusion_model
-    for name in CACHE_STATE:  # TeaCache and MagCache keep theirs on the diffusion model between runs
-        if name in vars(dm):
-            delattr(dm, name)
+    step_caches.clear_state(model)  # TeaCache and MagCache keep theirs on the diffusion model between runs
     latent = torch.zeros(1, row.channels, *row.sizes["odd"])
     return sampling.sample(model, row.text(1, row.texts[0], 0), latent, steps=steps, scheduler="simple")
 
@@ -96,8 +90,8 @@ def test_the_node_finds_the_cache_and_says_so_once(pack, flux, kind, order, capl
     says so once over two runs."""
     row, base = flux
     apply_cache = cache_node(kind)
-    step_caches = pack.nodes.runtime.step_caches
-    setting = step_caches.STACK_SETTINGS[kind]
+    found = pack.nodes.runtime.step_caches
+    setting = found.STACK_SETTINGS[kind]
     if order == "toma-then-cache":
         patched, runtime = basic(pack, base)
         stacked = apply_cache(patched)
@@ -108,7 +102,7 @@ def test_the_node_finds_the_cache_and_says_so_once(pack, flux, kind, order, capl
             out = sample(row, stacked)
             summary = runtime.summary()
             assert summary["step_cache"]["cache"] == kind
-            aside = setting.steps_aside(step_caches.StepCache(kind, summary["step_cache"]["settings"]))
+            aside = setting.steps_aside(found.StepCache(kind, summary["step_cache"]["settings"]))
             assert summary["step_cache"]["ratio"] == (None if aside else setting.ratio)
             assert any(kind in line for line in pack.nodes.live_stats.stats_lines(summary))
     assert torch.isfinite(out).all()
