@@ -61,7 +61,8 @@ def test_a_run_on_a_tiny_flux_counts_calls_and_records_the_cache_the_node_found(
     # the basic node found LazyCache at 0.5 and took its stack setting
     assert node["stack"]["cache"] == "LazyCache" and node["stack"]["settings"]["threshold"] == 0.5
     assert node["stack"]["ratio"] == 0.3 and node["merged_calls"] > 0
-    assert "lc0.5+node" in done.stdout and "LazyCache (threshold 0.5" in done.stdout
+    line = next(line for line in done.stdout.splitlines() if line.startswith("lc0.5+node "))
+    assert "merges at ratio 0.3" in line and f"{node['calls']} ({node['merged_calls']})" in line
     # the cached reference serves the same settings only
     other = levers(comfy, "lc0.5", *setup[:-4], "--steps", "8", *setup[-2:])
     assert other.returncode != 0 and "made with" in other.stderr and "'steps': 10" in other.stderr

@@ -14,9 +14,9 @@ Each variant samples the proxy (default flux32, FLUX.1-dev's layout: latent 128x
 steps, euler/simple, cfg 1, seed 0, 1 CPU thread). Its row: calls, the diffusion-model calls whose blocks ran (a
 forward hook on the first double block: TeaCache and MagCache skip the blocks inside the diffusion model); merged,
 the calls ToMA merged; modelled, steps / (merged / ToMA's per-call speed-up (PER_CALL) + calls run unmerged), a
-skipped call priced at 0; PSNR of the decoded pictures against unpatched (toma_bench.metrics.psnr); step cache, what
-the node found (its stats' step_cache). The unpatched reference runs first in the same process, or is read from
---reference (written there when it is not there yet).
+skipped call priced at 0; PSNR of the decoded pictures against unpatched (toma_bench.metrics.psnr); ToMA beside the
+cache, what the node did beside the cache it found (its stats' step_cache, whole in the JSON rows). The unpatched
+reference runs first in the same process, or is read from --reference (written there when it is not there yet).
 """
 import argparse
 import dataclasses
@@ -173,9 +173,9 @@ def reference_of(path: Path | None, settings: dict) -> torch.Tensor | None:
 
 
 def table(rows: list[dict]) -> str:
-    return format_table(["variant", "calls (merged)", "modelled", "PSNR dB", "seconds", "step cache"], [
-        [r["variant"], f"{r['calls']} ({r['merged_calls']})", f"{r['modelled']:.2f}x", format_cell(r["psnr"], "{:.2f}"),
-         f"{r['seconds']:.1f}", (r["stack"] or {}).get("in_words", "-")] for r in rows])
+    return format_table(["variant", "ToMA beside the cache", "calls (merged)", "modelled", "PSNR dB", "seconds"], [
+        [r["variant"], (r["stack"] or {}).get("setting", "-"), f"{r['calls']} ({r['merged_calls']})",
+         f"{r['modelled']:.2f}x", format_cell(r["psnr"], "{:.2f}"), f"{r['seconds']:.1f}"] for r in rows], left=2)
 
 
 def per_call_speed_ups(pack) -> None:
