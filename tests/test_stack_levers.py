@@ -26,7 +26,7 @@ def test_variants_read_cache_toma_and_levers():
     ("xc0.3", "'xc0.3' is not 'unpatched' nor a cache"), ("lcfast", "threshold 'fast' is not a number"),
     ("lc0.3+t0.3", "ToMA is 'node' or 'r<ratio>'"), ("lc0.3+r0.4", "ratio 0.4 has no per-call speed-up"),
     ("lc0.3+r0.3+faster", "unknown lever 'faster'"), ("lc0.3+r0.3+wgt0", "unknown lever 'wgt0'"),
-    ("lc0.3+node+fixed", "'node' takes no levers"),
+    ("lc0.3+node+fixed", "'node' takes no levers"), ("tc0", "TeaCache threshold: above 0"),
 ])
 def test_a_bad_variant_is_refused_by_name(name, why, capsys):
     with pytest.raises(ValueError, match=f"{re.escape(f'variant {name!r}')}.*{re.escape(why)}"):

@@ -1,14 +1,14 @@
 """ToMA stacked with a step cache, lever by lever (issue 45 part 2): calls run, modelled speed and PSNR of each.
 
 A VARIANT is a cache, then optionally ToMA, then optionally levers, joined by "+" (e.g. "lc0.3", "lc0.5+r0.3",
-"lc0.3+r0.3+calls+fixed", "tc0.4+node"). Cache: "unpatched" (none) | "lc<threshold>" core's LazyCache | "ec<threshold>"
-core's EasyCache (both start 0.15, end 0.95) | "tc<threshold>" TeaCache (welltop-cn's, "flux" coefficients, start 0,
-end 1) | "mc<threshold>" MagCache (Zehong-Ma's, "flux" ratios, retention 0.2, K 2), both from their mirrors
-(toma_bench/pack_source.py). ToMA, patched before the cache: "r<ratio>" the Advanced node with the basic node's
-settings of the model's kind (window auto, reuse 5, rotation on), the ratio set by hand | "node" the basic node as it
-is (ratio auto: it finds the cache and takes its stack setting). Levers, after "r<ratio>": "fixed" rotation off |
-"calls" plans counted by the calls that ran, not by sampler step | "window" merge only inside the core caches'
-start/end | "reuseN" reuse interval N | "wgtN" merge weights every N steps.
+"lc0.3+r0.3+calls+fixed", "tc0.4+node"). Cache, applied by toma_bench.step_caches: "unpatched" (none) |
+"lc<threshold>" core's LazyCache | "ec<threshold>" core's EasyCache (both start 0.15, end 0.95) | "tc<threshold>"
+TeaCache (welltop-cn's, "flux" coefficients, start 0, end 1) | "mc<threshold>" MagCache (Zehong-Ma's, "flux" ratios,
+retention 0.2, K 2), both from their mirrors (toma_bench/pack_source.py). ToMA, patched before the cache: "r<ratio>"
+the Advanced node with the basic node's settings of the model's kind (window auto, reuse 5, rotation on), the ratio
+set by hand | "node" the basic node as it is (ratio auto: it finds the cache and takes its stack setting). Levers,
+after "r<ratio>": "fixed" rotation off | "calls" plans counted by the calls that ran, not by sampler step | "window"
+merge only inside the core caches' start/end | "reuseN" reuse interval N | "wgtN" merge weights every N steps.
 
 Each variant samples the proxy (default flux32, FLUX.1-dev's layout: latent 128x128 = 64x64 tokens, 4 pictures, 20
 steps, euler/simple, cfg 1, seed 0, 1 CPU thread). Its row: calls, the diffusion-model calls whose blocks ran (a
@@ -29,19 +29,15 @@ from pathlib import Path
 
 import torch
 
-from . import comfy_host, pack_source, proxy, run
+from . import comfy_host, proxy, run, step_caches
 from .metrics import psnr
 from .tables import format_cell, format_table
 
 SEED = 0
-CACHE_WINDOW = (0.15, 0.95)  # core's LazyCache/EasyCache start and end; the "window" lever's
 CACHES = {"lc": "LazyCache", "ec": "EasyCache", "tc": "TeaCache", "mc": "MagCache"}
 # ToMA's per-call speed-up on FLUX.1-dev 1024x1024, H200 eager, 20 steps, pipelined (toma_bench.costmodel,
 # rounded as the levers table prints it): printed by `python -m toma_bench.stack_levers --per-call`
 PER_CALL = {0.5: 1.48, 0.3: 1.29, 0.2: 1.15}
-# what TeaCache and MagCache leave on the diffusion model after a run (taken off before the next)
-CACHE_STATE = ("teacache_state", "accumulated_rel_l1_distance", "previous_modulated_input", "previous_residual",
-               "accumulated_err", "accumulated_ratio", "accumulated_steps", "residual_cache", "cnt")
 LEVER, NUMBER = re.compile(r"fixed|calls|window|reuse[1-9]\d*|wgt[1-9]\d*"), re.compile(r"\d+(\.\d*)?|\.\d+")
 
 
@@ -73,6 +69,10 @@ def parse_variant(name: str) -> Variant:
         if head[:2] not in CACHES:
             refuse(f"{head!r} is not 'unpatched' nor a cache ({', '.join(CACHES)} followed by a threshold)")
         cache, threshold = CACHES[head[:2]], number(head[2:], "threshold")
+        try:
+            step_caches.check(cache, threshold)
+        except ValueError as why:
+            refuse(str(why))
     if toma and not node:
         ratio = number(toma[0][1:], "ratio") if toma[0].startswith("r") else refuse(
             f"ToMA is 'node' or 'r<ratio>', got {toma[0]!r}")
@@ -111,7 +111,8 @@ def with_toma(base, v: Variant, pack):
     if v.ratio is None:
         return base
     kind = tn.preset_of(base)
-    start, end = CACHE_WINDOW if "window" in v.levers else (kind.start_percent, 1.0)
+    # "window": merge only inside the core caches' start/end
+    start, end = (step_caches.START, step_caches.END) if "window" in v.levers else (kind.start_percent, 1.0)
     model = tn.ToMAPatchModelAdvanced().patch(
         base, v.ratio, tn.DEFAULT_WINDOW, v.lever("reuse", tn.DEFAULT_REUSE), levels=kind.levels,
         weights_interval=v.lever("wgt", kind.weights_interval), start_percent=start, end_percent=end,
@@ -123,22 +124,10 @@ def with_toma(base, v: Variant, pack):
     return model
 
 
-def with_cache(model, v: Variant):
-    if v.cache is None:
-        return model
-    if v.cache in ("LazyCache", "EasyCache"):
-        from comfy_extras import nodes_easycache
-        node = getattr(nodes_easycache, f"{v.cache}Node")
-        return node.execute(model, reuse_threshold=v.threshold, start_percent=CACHE_WINDOW[0],
-                            end_percent=CACHE_WINDOW[1], verbose=False)[0]
-    if v.cache == "TeaCache":
-        return pack_source.load("teacache").TeaCache().apply_teacache(model, "flux", v.threshold, 0.0, 1.0, "cpu")[0]
-    return pack_source.load("magcache").MagCache().apply_magcache(model, "flux", v.threshold, 0.2, 2, 0, -1)[0]
-
-
 def measure(base, v: Variant, pack, args, reference) -> tuple[dict, torch.Tensor]:
     """(the row of variant ``v``, its LATENT samples)."""
-    model = with_cache(with_toma(base, v, pack), v)
+    model = with_toma(base, v, pack)
+    model = model if v.cache is None else step_caches.apply(v.cache, model, v.threshold)
     dm, calls, started = base.model.diffusion_model, [], time.time()
     hook = dm.double_blocks[0].register_forward_hook(lambda *a: calls.append(1))
     try:
@@ -146,9 +135,7 @@ def measure(base, v: Variant, pack, args, reference) -> tuple[dict, torch.Tensor
             latent = proxy.sample(model, SEED, args.batch, args.steps, side=args.side).float()
     finally:
         hook.remove()
-        for state in CACHE_STATE:
-            if state in vars(dm):
-                delattr(dm, state)
+        step_caches.clear_state(base)
     seconds = time.time() - started
     rt = run.runtime_of(pack, model)
     summary = rt.summary() if rt else None
