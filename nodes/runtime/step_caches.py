@@ -60,7 +60,7 @@ class StackSetting:
 
 
 # Chosen on the flux32 proxy at 64x64 tokens, 20 steps, against each cache alone (docs/stacking.md, "With a step
-# cache"; every lever tried: docs/notebook.md, "ToMA beside a step cache"): image DiTs only, the one kind measured.
+# cache"; every lever tried: docs/notebook.md, "ToMA beside a step cache: every lever tried"): image DiTs only, the one kind measured.
 # Where a cache alone keeps far more of the picture than ToMA at 0.3 does (27.4 dB), the stack loses it: LazyCache
 # at 0.2 keeps 34.2 dB (beside ToMA 28.0), TeaCache at its default 0.4 and MagCache at its default 0.06 38.6 dB
 # (beside ToMA at 0.3: 26.0 and 26.1 dB), TeaCache at 0.8 31.3 dB (beside ToMA 27.5); there the node steps aside.
