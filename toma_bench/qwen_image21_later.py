@@ -1,4 +1,4 @@
-"""Qwen-Image 2.1's model file as later versions have it: the stand-in (toma_bench.qwen_image21, which follows the
+"""Qwen-Image 2.1's model file as later versions have it: the stand-in (toma_bench.qwen_image21_first follows the
 first version, b806797) with what changed, in classes of its own, so that either version can be built
 (``qwen_image21.build(follows=...)``; the newest is the default and what ``installed()`` puts at
 comfy.ldm.qwen_image21.model).
@@ -28,8 +28,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from . import qwen_image21 as first
-from .qwen_image21 import (ComfyAttention, PrefixCache, _modulated_norm, _split_rows,  # noqa: F401
+from . import qwen_image21_first as first
+from .qwen_image21_first import (ComfyAttention, PrefixCache, _modulated_norm, _split_rows,  # noqa: F401
                            attention, block_causal_attention, prefix_cache_key, prefix_cached_attention)
 # (names the real module has, which packs import from it: block_causal_attention, _split_rows, ...)
 
