@@ -92,11 +92,17 @@ def apply(name: str, model, threshold: float | None = None, kind: str = "flux", 
                                             mag["magcache_K"], 0, -1)[0]
 
 
+def passes_through(executor, *args, **kwargs):
+    return executor(*args, **kwargs)
+
+
 def without_core_cache(model):
-    """A clone of ``model`` with core's cache wrappers taken off (their holder stays in the options, where a
-    node that looks for a cache finds it): what the cost model samples, which skips the calls itself."""
+    """A clone of ``model`` whose core cache wrappers pass every call through, under their own keys (so a node
+    that looks for a cache finds it, as it does in the proxy run, and merges as it did there); their holder stays
+    in the options: what the cost model samples, which skips the calls itself."""
     m = model.clone()
-    m.wrappers = {kind: {key: w for key, w in by_key.items() if key not in ("easycache", "lazycache")}
+    m.wrappers = {kind: {key: [passes_through] * len(w) if key in ("easycache", "lazycache") else w
+                         for key, w in by_key.items()}
                   for kind, by_key in m.wrappers.items()}
     return m
 
