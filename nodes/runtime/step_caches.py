@@ -147,13 +147,10 @@ class CacheStack:
         self.found = find(transformer_options)
         if self.found is None:
             return current
-        short = self.own.schedule.is_short(total)
+        short = total if self.own.schedule.is_short(total) else None
         key = (self.found.kind, tuple(sorted(self.found.settings.items())), short)
         if key not in self._stacked:
-            self._stacked[key] = (
-                (self.own, f"merges with its own setting in this {total}-step run (the stack setting is for "
-                 "longer runs)", self.own.ratio if isinstance(self.own, ToMA) else None)
-                if short and self.model_kind is not None else self.stacked(self.found, STACK_SETTINGS[self.found.kind]))
+            self._stacked[key] = self.stacked(self.found, STACK_SETTINGS[self.found.kind], short)
         strategy, self.setting_words, self.ratio = self._stacked[key]
         strategy.schedule.reset()
         message = f"found {self.found.in_words()} on the model: {self.own.name} {self.setting_words}"
@@ -162,13 +159,17 @@ class CacheStack:
             log.warning("ToMA: %s", message)
         return strategy
 
-    def stacked(self, cache: StepCache, setting: StackSetting) -> tuple:
+    def stacked(self, cache: StepCache, setting: StackSetting, short: int | None = None) -> tuple:
         """(the strategy beside ``cache`` with the stack ``setting``, what it does in words, the ratio it merges at
-        or None); a new schedule, so that the node's own stays untouched. A stack setting is only ever taken by
+        or None); a new schedule, so that the node's own stays untouched. ``short``: the steps of a short run,
+        where the node keeps its own setting. A stack setting is only ever taken by
         ToMA at an auto ratio (``model_kind`` set); the own strategy's ratio is shown where it is ToMA's."""
         own_ratio = self.own.ratio if isinstance(self.own, ToMA) else None
         if self.model_kind is None:
             return self.own, "merges with its settings as set", own_ratio
+        if short is not None:
+            return (self.own, f"merges with its own setting in this {short}-step run (the stack setting is for longer "
+                    "runs)", own_ratio)
         if self.model_kind not in setting.model_kinds:
             return (self.own, "merges with its own setting (no stack setting measured for this kind of model yet)",
                     own_ratio)
