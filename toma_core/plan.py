@@ -69,16 +69,24 @@ def kept_per_tile(grid: "TileGrid | SlabGrid", ratio: float) -> tuple[int, ...]:
     if isinstance(grid, SlabGrid):
         real = grid.valid.sum(1).tolist()
         return spread(tuple(max(1, round(_float32(n * scale))) for n in real), tuple(real), grid.extra)
-    f, t = grid.temporal_window, grid.window_size
-    kept = []
-    for fw in range(grid.frame_windows):
-        frames = min(f, grid.frames - fw * f)
-        for r in range(grid.rows):
-            rows = min(t, grid.h - r * t)
-            for c in range(grid.cols):
-                real = frames * rows * min(t, grid.w - c * t)
-                kept.append(max(1, round(_float32(real * scale))))
-    return tuple(kept)
+    # Along each axis every window but the last spans the whole window, so the tiles of a line repeat one
+    # figure and end with another: the tuple is composed from at most eight figures (a few dozen bytecodes
+    # for dynamo to trace, whatever the grid's size)
+    def line(count: int, whole, last):
+        return whole * (count - 1) + last
+
+    def extents(size: int, window: int, count: int) -> tuple[int, int]:
+        return window, size - (count - 1) * window
+
+    def tiles_of_row(frames: int, rows: int) -> tuple[int, ...]:
+        return line(grid.cols, *((max(1, round(_float32(frames * rows * cols * scale))),)
+                                 for cols in extents(grid.w, grid.window_size, grid.cols)))
+
+    def tiles_of_frame_window(frames: int) -> tuple[int, ...]:
+        return line(grid.rows, *(tiles_of_row(frames, rows) for rows in extents(grid.h, grid.window_size, grid.rows)))
+
+    return line(grid.frame_windows, *(tiles_of_frame_window(frames)
+                                      for frames in extents(grid.frames, grid.temporal_window, grid.frame_windows)))
 
 
 def spread(kept: tuple[int, ...], real: tuple[int, ...], extra: int) -> tuple[int, ...]:
