@@ -37,10 +37,14 @@ WORLD = 3  # ranks: the odd Wan latent's 5 x 7 x 10 = 350 tokens pad to 351, 117
 RANK_SECONDS = 300  # a rank process that has not finished by then has hung (a collective no other rank joined)
 # How close the simulated ranks' output lies to one GPU's with the same node (relative L2, as a share of what
 # ToMA changes on one GPU). Slabs that fall between windows plan as one GPU does, but for destinations a float
-# rounding flips (the ranks' attention adds up in another order): measured 0.016 of ToMA's change. Slabs that
-# cut windows merge their parts apart, so the merges differ (measured 0.74 of ToMA's change from one-GPU ToMA),
-# at the same fidelity: the distance to the unpatched output, 1.02 times one GPU's (1.00 aligned).
-ALIGNED_SHARE = 0.05
+# rounding flips (the ranks' attention adds up in another order): a near-tie of the greedy picks the other token.
+# Measured 0.016 of ToMA's change on 2026-12-04; 0.153 on 2026-12-07 (ComfyUI v0.3.64 and v0.33.0, torch 2.14.1),
+# where one of a slab's 48 destinations flipped (ALIGNED_PICKS: the share of each slab's destinations that must
+# be one GPU's). Slabs that cut windows merge their parts apart, so the merges differ (measured 0.74 of ToMA's
+# change from one-GPU ToMA), at the same fidelity: the distance to the unpatched output, 1.02 times one GPU's
+# (1.00 aligned).
+ALIGNED_SHARE = 0.3
+ALIGNED_PICKS = 0.95
 FIDELITY_SHARE = 1.1
 
 
@@ -169,17 +173,19 @@ def test_raylight_ranks_merge_their_slabs_to_equal_lengths(pack, wan, frames, si
     tokens, fewer than its slab, the attention exchanging those (what the all-to-all moves), and the ranks'
     output is as close to the unpatched one as one-GPU ToMA's with the same node (FIDELITY_SHARE); where the
     slabs fall between windows (4 frames over 2 ranks: each slab two whole frames, one window deep) it is
-    one-GPU ToMA's output but for float rounding (ALIGNED_SHARE); the odd latent over 3 ranks (the last
-    padded) cuts windows. Without ToMA the ranks reproduce one GPU (the simulation is faithful), and every
+    one-GPU ToMA's merge but for destinations a float rounding flips (ALIGNED_PICKS, ALIGNED_SHARE); the odd
+    latent over 3 ranks (the last padded) cuts windows. Without ToMA the ranks reproduce one GPU (the simulation is faithful), and every
     rank's stats show its slab merged, nothing unmerged."""
     needs_raylight()
     patched, runtime = dit_checks.toma_patched(pack, wan, ratio=0.5, scope="block")
     one_gpu = {"plain": sample(wan, frames, size), "toma": sample(patched, frames, size)}
+    (one_gpu_picks,) = [plan.destination_tokens() for plan in runtime.report().plans.values()]
     ranks = run_ranks({"plain": (wan, None), "toma": (patched, runtime)}, frames, size, world)
     row = ROWS["wan"]
     total = frames * math.prod(-(-s // row.patch) for s in row.sizes[size])
     slab = -(-total // world)
     merged_blocks = set(pack.nodes.adapters.layout.merged_blocks(len(wan.model.diffusion_model.blocks), "video"))
+    slab_picks = []  # (begin, end, the destinations of the slab's plan) of every rank
 
     for r in ranks:
         plain, toma = r["plain"], r["toma"]
@@ -196,6 +202,7 @@ def test_raylight_ranks_merge_their_slabs_to_equal_lengths(pack, wan, frames, si
         assert level["tokens"] == end - begin and level["merged_tokens"] < level["tokens"]
         for destinations in toma["destinations"].values():  # inside the slab's grid tokens: never padding
             assert 0 <= int(destinations.min()) and int(destinations.max()) < end - begin
+            slab_picks.append((begin, end, destinations))
     # equal merged lengths on every rank: the exchange of keys and values needs them (gloo fails otherwise)
     assert len({n for r in ranks for i in merged_blocks for n in r["toma"]["blocks"][i]}) == 1
     self_attention = {q for r in ranks for q, _ in r["toma"]["attention"][::2]}
@@ -215,6 +222,9 @@ def test_raylight_ranks_merge_their_slabs_to_equal_lengths(pack, wan, frames, si
     assert relative_l2(plain, one_gpu["plain"]) < (1e-3 if padded else 1e-5)
     assert relative_l2(toma, one_gpu["plain"]) < FIDELITY_SHARE * change
     if aligned:  # each slab two whole frames: the windows (2 frames deep) of one GPU
+        for begin, end, picks in slab_picks:
+            ones = {int(t) - begin for t in one_gpu_picks.flatten() if begin <= t < end}
+            assert len(ones) == picks.numel() and len(ones & set(picks.flatten().tolist())) >= ALIGNED_PICKS * len(ones)
         assert relative_l2(toma, one_gpu["toma"]) < ALIGNED_SHARE * change
 
 

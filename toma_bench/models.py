@@ -66,15 +66,18 @@ def init_weights_(module: torch.nn.Module, seed: int, draw_device=None) -> torch
 
 def normal_init_(module: torch.nn.Module, seed: int, vector_std: float = 0.01) -> torch.nn.Module:
     """Issue 46's draw (part 6), from a seeded generator: every matrix N(0, 1/fan_in), every parameter named as a
-    norm's weight 1, every other vector (biases, and the QK-norms' ``scale``, named otherwise) N(0, vector_std^2).
-    Its QK-norm scales near 0.01 shrink every query and key a hundredfold, so each attention map is near uniform:
-    there proportional attention reproduces unmerged attention whatever the merge (docs/notebook.md, 2026-12-07)."""
+    norm's weight 1, every other vector (biases, and the QK-norms' scales) N(0, vector_std^2). Its QK-norm scales
+    near 0.01 shrink every query and key a hundredfold, so each attention map is near uniform: there proportional
+    attention reproduces unmerged attention whatever the merge (docs/notebook.md, 2026-12-07). The issue's tree
+    named a QK-norm's scale ``scale`` (v0.3.75's Flux-layer RMSNorm); v0.33.0's operations.RMSNorm names it
+    ``weight``: either draws as the issue's did."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * p[0].numel() ** -0.5)
-            elif "norm" in name and name.endswith("weight"):
+            elif "norm" in name and name.endswith("weight") and not name.endswith(("query_norm.weight",
+                                                                                    "key_norm.weight")):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * vector_std)
