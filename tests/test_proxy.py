@@ -19,6 +19,9 @@ from toma_bench.comfy_host import has_flux
 
 REPO = comfy_host.REPO
 HELDOUT_CROPS_IN_TESTS = 6
+# The 32-token Wan proxy's held-out clips are 4 frames of 64x64 latent pixels: 6 of them at every level took
+# 134 s of CPU for its two losses; 2 give the same ratio to random init (0.223 against 0.222 on 1, 2026-12-07)
+HELDOUT_CLIPS_IN_WAN32_TEST = 2
 
 
 def host_has_flux() -> bool:
@@ -43,9 +46,9 @@ needs_wan = pytest.mark.skipif(not host_has_wan(), reason="this ComfyUI has no c
                                "current ComfyUI: set COMFYUI_PATH, e.g. to the .comfyui-current of tests/setup_current.sh)")
 
 
-def heldout_subset(arch: str):
+def heldout_subset(arch: str, crops: int = HELDOUT_CROPS_IN_TESTS):
     x0, noise, fractions = proxy_training.heldout_set(arch)
-    n = HELDOUT_CROPS_IN_TESTS * len(proxy_training.HELDOUT_LEVELS)
+    n = crops * len(proxy_training.HELDOUT_LEVELS)
     return x0[:n], noise[:n], fractions[:n]
 
 
@@ -225,8 +228,8 @@ def test_fine_tuning_starts_from_the_shipped_weights(comfy):
     assert math.isfinite(history[0]["heldout_loss"])
 
 
-def check_shipped(model, arch: str, max_ratio: float):
-    heldout = heldout_subset(arch)
+def check_shipped(model, arch: str, max_ratio: float, crops: int = HELDOUT_CROPS_IN_TESTS):
+    heldout = heldout_subset(arch, crops)
     config = proxy.read_metadata(proxy.PROXY_DIR / proxy.SPECS[arch].file)["unet_config"]
     trained = proxy_training.heldout_loss(model, heldout=heldout)
     random_init = proxy_training.heldout_loss(proxy.build(arch, config, seed=0), heldout=heldout)
@@ -290,7 +293,7 @@ def test_shipped_32_token_flux_proxy_denoises_and_samples(comfy):
 @needs_wan
 def test_shipped_32_token_wan_proxy_denoises_and_samples(comfy):
     model = proxy.load(proxy.PROXY_DIR / proxy.SPECS["wan32"].file)
-    check_shipped(model, "wan32", max_ratio=0.4)
+    check_shipped(model, "wan32", max_ratio=0.4, crops=HELDOUT_CLIPS_IN_WAN32_TEST)
     check_samples(model)
 
 
