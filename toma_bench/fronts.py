@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import proxy
 from .step_caches import NAMES
 
 # the three series: (name, how its rows' families begin, marker, colour)
@@ -133,7 +134,8 @@ def series(data: dict, model: str) -> dict:
 
 
 def title(data: dict, model: str) -> str:
-    side = data["side"] // 2  # both DiT proxies patchify 2x2
+    # the DiT proxies patchify 2x2; a UNet's tokens at full resolution are its latent pixels
+    side = data["side"] if proxy.spec_of(data["arch"]).model_kind == "sd15" else data["side"] // 2
     what = (f"{data['batch']} clips of {data['frames']} frames" if data.get("frames") else f"{data['batch']} pictures")
     return (f"{data['arch']} proxy, {side}x{side} tokens, {what}, {data['steps']} steps\n"
             f"speed: {data['real'][model].split(' (')[0]}, {data['hardware']} {data['regime']} (modelled)"
