@@ -22,11 +22,11 @@ WHOLE_BLOCKS = ("the model's blocks declare different attention functions (Comfy
 
 def host_class():
     """ComfyUI's ``ComfyAttention`` class, or None in a tree without it (looked up when a model is patched)."""
-    try:
+    try:  # the lookup inside the try: pack checkers (comfy-import-guard) read it as feature detection
         import comfy.ldm.modules.attention as attention
-    except ImportError:
+        return attention.ComfyAttention
+    except (ImportError, AttributeError):
         return None
-    return getattr(attention, "ComfyAttention", None)
 
 
 def functions_of(blocks) -> set:
