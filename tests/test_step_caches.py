@@ -143,6 +143,23 @@ def test_stacked_puts_toma_after_the_cache_and_prices_toma_alone(pack, flux):
     assert "easycache" in priced.model_options["transformer_options"]
 
 
+@pytest.mark.parametrize("name", ["TeaCache", "MagCache"])
+def test_beside_a_pack_cache_the_priced_model_shows_the_cache_without_its_forward(pack, flux, name):
+    """The priced model of a pack cache's stack carries the cache's options (so the node finds the cache and
+    steps aside there, as in the proxy run: priced as merging nothing) and not its forward wrapper (the cost
+    model skips the calls itself)."""
+    toma = lambda m: pack.nodes.toma_nodes.ToMAPatchModel().patch(m, 0.5, 4, 5)[0]  # noqa: E731
+    stacked = step_caches.Stacked(name, 0.06 if name == "MagCache" else 0.4, "flux", toma)
+    try:
+        assert "model_function_wrapper" in stacked(flux).model_options
+    except step_caches.CacheMissing as why:
+        pytest.skip(str(why))
+    priced = stacked.cost_patch(flux)
+    assert "model_function_wrapper" not in priced.model_options
+    options = priced.model_options["transformer_options"]
+    assert pack.nodes.runtime.step_caches.find(options).kind == name
+
+
 def test_bad_cache_input_is_named():
     with pytest.raises(ValueError, match="one of EasyCache"):
         step_caches.check("FooCache", 0.2)

@@ -107,6 +107,15 @@ def without_core_cache(model):
     return m
 
 
+def without_pack_cache(model):
+    """A clone of ``model`` whose pack cache (TeaCache, MagCache: a model function wrapper that swaps the
+    diffusion model's forward in for each call) is taken off, its options left in transformer_options where a
+    node that looks for the cache finds them (as it does in the proxy run): what the cost model samples."""
+    m = model.clone()
+    m.model_options.pop("model_function_wrapper", None)
+    return m
+
+
 def clear_state(model) -> None:
     """TeaCache's and MagCache's state on the diffusion model taken off (the proxy's module is shared by
     every variant of a run)."""
@@ -241,9 +250,9 @@ class Stacked:
     """A benchmark row's patch: the cache ``name`` at ``threshold`` on the model, then ``toma`` (a patch, or
     None: the cache alone), as a user puts ToMA after the cache (so a node that looks for a cache on its
     model finds it). ``cost_patch`` is what the cost model runs inside the calls it makes (it skips the
-    calls the proxy run skipped itself): ToMA on the model with core's cache wrappers taken off (the
-    cache's holder left where ToMA sees it), or ToMA alone beside a pack cache, whose patches are not
-    taken off."""
+    calls the proxy run skipped itself): ToMA on the model with the cache's own work taken off, what shows
+    the cache left where ToMA sees it (core's holder and wrapper keys, a pack cache's options), so the node
+    takes the setting it took in the proxy run (a node that stepped aside there is priced as merging nothing)."""
 
     def __init__(self, name: str, threshold: float, kind: str, toma: Callable | None = None):
         check(name, threshold)
@@ -256,4 +265,5 @@ class Stacked:
     def cost_patch(self, model):
         if self.name in CORE:
             return without_core_cache(self(model))
-        return model if self.toma is None else self.toma(model)
+        plain = without_pack_cache(apply(self.name, model, self.threshold, self.kind))
+        return plain if self.toma is None else self.toma(plain)
