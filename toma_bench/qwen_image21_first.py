@@ -379,10 +379,13 @@ class QwenImage21Transformer2DModel(nn.Module):
                                                      transformer_options)
         ).execute(x, timestep, context, ref_latents, image_slots, transformer_options, **kwargs)
 
-    def _forward(self, x, timesteps, context, ref_latents=None, image_slots=None, transformer_options={}, **kwargs):
+    def _start(self, x, timesteps, context, ref_latents, image_slots, transformer_options):
+        """What every version's forward does before its blocks: the sequence (target rows last) with its RoPE rows
+        and segments, post_input patches applied, the modulation, the dit block replacements and the prefix cache
+        chosen (a cached step keeps the target rows only). (hidden_states, pe, segments, prefix_len, temb, mod,
+        patches, blocks_replace, cache, cached)."""
         B, _, H, W = x.shape
         dtype = x.dtype
-        ref_latents, image_slots = list(ref_latents or []), list(image_slots or [])
         hidden_states, pe, segments = self.build_sequence(x, context, ref_latents, image_slots)
         prefix_len = hidden_states.shape[1] - H * W
         patches = transformer_options.get("patches", {})
@@ -409,6 +412,15 @@ class QwenImage21Transformer2DModel(nn.Module):
                                                      transformer_options.get("qwen_image21_cache", {}))
         if cached:
             hidden_states, pe, prefix_len = hidden_states[:, prefix_len:], pe[:, prefix_len:], 0
+
+        return hidden_states, pe, segments, prefix_len, temb, mod, patches, blocks_replace, cache, cached
+
+    def _forward(self, x, timesteps, context, ref_latents=None, image_slots=None, transformer_options={}, **kwargs):
+        B, _, H, W = x.shape
+        dtype = x.dtype
+        ref_latents, image_slots = list(ref_latents or []), list(image_slots or [])
+        hidden_states, pe, segments, prefix_len, temb, mod, patches, blocks_replace, cache, cached = self._start(
+            x, timesteps, context, ref_latents, image_slots, transformer_options)
 
         transformer_options["total_blocks"] = len(self.transformer_blocks)
         transformer_options["block_type"] = "single"

@@ -136,31 +136,9 @@ class QwenImage21Transformer2DModel(first.QwenImage21Transformer2DModel):
         B, _, H, W = x.shape
         dtype = x.dtype
         ref_latents, image_slots = list(ref_latents or []), list(image_slots or [])
-        hidden_states, pe, segments = self.build_sequence(x, context, ref_latents, image_slots)
-        prefix_len = hidden_states.shape[1] - H * W
-        patches = transformer_options.get("patches", {})
-        for p in patches.get("post_input", []):
-            out = p({"img": hidden_states, "pe": pe, "transformer_options": transformer_options})
-            hidden_states, pe = out["img"], out.get("pe", pe)
-
-        t = ((timesteps * 1000).to(dtype) / 1000).to(dtype)
-        temb = self.time_text_embed(torch.cat([t, t.new_zeros(1)]), dtype)
-        scale1, gate1, scale2, gate2 = self.modulation(temb).chunk(4, dim=-1)
-        mod = (_split_rows(scale1), _split_rows(gate1.tanh()), _split_rows(scale2), _split_rows(gate2.tanh()),
-               torch.zeros_like(scale1[:1, None]))
-
-        blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
-        cache, cached = None, False
-        hooked = (blocks_replace or patches.get("post_input") or patches.get("single_block")
-                  or patches.get("attn1_patch"))
-        if self.prefix_cache_enabled and prefix_len > 0 and not hooked:
-            key = prefix_cache_key(x, context, ref_latents, image_slots)
-            cache_bytes = 2 * len(self.transformer_blocks) * B * prefix_len * self.inner_dim * hidden_states.element_size()
-            cache, cached = self.select_prefix_cache(key, cache_bytes, x.device,
-                                                     transformer_options.get("qwen_image21_cache", {}))
-        if cached:
-            hidden_states, pe, prefix_len = hidden_states[:, prefix_len:], pe[:, prefix_len:], 0
-        elif cache is not None:  # the prefix runs by itself, block by block, to fill the cache
+        hidden_states, pe, segments, prefix_len, temb, mod, patches, blocks_replace, cache, cached = self._start(
+            x, timesteps, context, ref_latents, image_slots, transformer_options)
+        if cache is not None and not cached:  # the prefix runs by itself, block by block, to fill the cache
             prefix_states, hidden_states = hidden_states[:, :prefix_len], hidden_states[:, prefix_len:]
             prefix_pe, pe = pe[:, :prefix_len], pe[:, prefix_len:]
             prefix_len = 0
