@@ -117,7 +117,7 @@ def install_run_hooks(m, runtime) -> None:
         WrappersMP = None
     if WrappersMP is not None and hasattr(m, "add_wrapper_with_key"):
         m.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, runtime.outer_sample_wrapper)
-        m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, runtime.apply_model_wrapper)
+        m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, runtime.around_model_call)
         if hasattr(WrappersMP, "SAMPLER_SAMPLE"):
             m.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, runtime.sampler_sample_wrapper)
         return

@@ -123,11 +123,11 @@ class MergedAttention:
                                   "layout ToMA expects; it runs unmerged")
             return self.attend(func, q, k, v, heads, *args, **kwargs)
         try:
-            with self.runtime.stage("merge"):
+            with self.runtime.stages.stage("merge"):
                 mq, mk, mv = self.transform(q, k, v, heads, **kwargs)
                 mask = self.merged_mask(kwargs.get("mask"))
             out = self.attend(func, mq, mk, mv, heads, **{**kwargs, "mask": mask})
-            with self.runtime.stage("unmerge"):
+            with self.runtime.stages.stage("unmerge"):
                 if self.proportional:
                     d = q.shape[-1]
                     out = out.view(*out.shape[:2], heads, padded_head(d))[..., :d].reshape(*out.shape[:2], heads * d)
@@ -229,7 +229,7 @@ class MergedKeysValues:
             return self.attend(func, q, k, v, heads, *args, **kwargs)
         self.served = True
         try:
-            with self.runtime.stage("merge"):
+            with self.runtime.stages.stage("merge"):
                 mask = keywords.get("mask")
                 if mask is not None:
                     mask = key_mask(mask, self.key_rows(k.device), self.length, q.shape[0])

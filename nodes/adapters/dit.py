@@ -391,11 +391,11 @@ class DiTPatch:
             if around is None or not torch.is_tensor(x) or x.dim() != 3 or x.shape[1] != around.length:
                 return original(x, *args, **kwargs)
             begin, end = around.start, around.start + around.tokens
-            with patch.runtime.stage("merge"):
+            with patch.runtime.stages.stage("merge"):
                 merged = splice(x, [(begin, end)], [around.plan.merge(x[:, begin:end])])
             y = original(merged, *args, **kwargs)
             stop = begin + around.plan.num_merged
-            with patch.runtime.stage("unmerge"):
+            with patch.runtime.stages.stage("unmerge"):
                 return splice(y, [(begin, stop)], [around.plan.unmerge(y[:, begin:stop])])
 
         forward.token_merge = (original, self.runtime)  # for a token merge node stacked after this one
@@ -428,11 +428,11 @@ class DiTPatch:
         spans = [((start, end), plan)] + [(r, p) for r, p in references if p is not None]
         call = BlockCall(args, txt_len, layout, plan, tuple(p for _, p in references))
 
-        with self.runtime.stage("merge"):
+        with self.runtime.stages.stage("merge"):
             merged = [p.merge(seq[:, b:e]) for (b, e), p in spans]
             inputs = {"img": splice(seq, [r for r, _ in spans], merged), **self.reduced_inputs(call)}
         out = run({**args, **inputs})
-        with self.runtime.stage("unmerge"):
+        with self.runtime.stages.stage("unmerge"):
             y, ranges, shift = out["img"], [], 0  # where each merged span sits in the shorter output
             for ((b, e), _), m in zip(spans, merged):
                 ranges.append((b - shift, b - shift + m.shape[1]))

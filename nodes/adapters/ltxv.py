@@ -221,7 +221,7 @@ class LTX2Patch(LTXVPatch):
             if keys is None or not torch.is_tensor(context) or context.shape[1] != keys.length:
                 return original(x, context, mask, pe, k_pe, transformer_options=transformer_options)
             end = keys.lead + keys.plan.num_merged
-            with patch.runtime.stage("unmerge"):
+            with patch.runtime.stages.stage("unmerge"):
                 full = splice(context, [(keys.lead, end)], [keys.plan.unmerge(context[:, keys.lead:end])])
             return original(x, full, mask, pe, keys.cross_pe, transformer_options=transformer_options)
 

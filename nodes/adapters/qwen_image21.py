@@ -87,7 +87,7 @@ class PrefixedKeysValues:
         if self.served or any(t.dim() != 4 or t.shape[1] != self.start + self.tokens for t in (q, k, v)):
             return self.attn_fn(q, k, v, heads, preferred_attention=preferred_attention)
         self.served = True
-        with self.runtime.stage("merge"):
+        with self.runtime.stages.stage("merge"):
             mk, mv = self.merged(k), self.merged(v)
         return self.attn_fn(q, mk, mv, heads, preferred_attention=preferred_attention)
 

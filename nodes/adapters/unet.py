@@ -206,11 +206,11 @@ class UNetPatch:
                     else patch.plan_for(x, lambda: x, *call[:2], keys_changed=changed))
             if plan is None:
                 return original(x, context=context, value=value, mask=mask, **kwargs)
-            with patch.runtime.stage("merge"):
+            with patch.runtime.stages.stage("merge"):
                 merged = plan.merge(x)
             if not self_attention:
                 out = original(merged, context=context, value=value, **kwargs)
-                with patch.runtime.stage("unmerge"):
+                with patch.runtime.stages.stage("unmerge"):
                     return plan.unmerge(out)
             queries, keys = {placement.ATTENTION: (merged, merged), placement.KEYS_VALUES: (x, merged),
                              placement.QUERIES: (merged, x)}[patch.scope]
@@ -220,7 +220,7 @@ class UNetPatch:
                 out = original(queries, context=keys, value=keys, **kwargs)
             if queries is x:
                 return out
-            with patch.runtime.stage("unmerge"):
+            with patch.runtime.stages.stage("unmerge"):
                 return plan.unmerge(out)
 
         forward.toma_unet = (original, owner)
@@ -237,11 +237,11 @@ class UNetPatch:
             plan = patch.plan_for(x, lambda: block.norm1(x), transformer_options, tuple(x.shape[:2]))
             if plan is None:
                 return original(x, context=context, transformer_options=transformer_options)
-            with patch.runtime.stage("merge"):
+            with patch.runtime.stages.stage("merge"):
                 xm = plan.merge(x)
             # the block gets its own copy: the March-2024 block adds its attention outputs in place
             ym = original(xm.clone(), context=context, transformer_options=transformer_options)
-            with patch.runtime.stage("unmerge"):
+            with patch.runtime.stages.stage("unmerge"):
                 return plan.unmerge_update(x, xm, ym)
 
         forward.toma_unet = (original, owner)

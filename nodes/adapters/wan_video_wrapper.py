@@ -420,7 +420,7 @@ class WrapperPatch:
             runtime.unmerged("attention call layout", "%s runs self-attention calls unmerged that carry inputs besides "
                              "q, k, v its proportional attention does not pass on", runtime.name)
             return run(q, k, v, seq_lens, *args, **kwargs)
-        with runtime.stage("merge"):
+        with runtime.stages.stage("merge"):
             mk = spans.merged_rows(k.flatten(2), 1).unflatten(2, (H, D))
             mv = spans.merged_rows(v.flatten(2), 1).unflatten(2, (H, D))
             k_lens = None if seq_lens is None else seq_lens - (active.tokens - plan.num_merged)

@@ -12,11 +12,8 @@ anything across sampling runs: the run-start hook the adapter installs (``instal
 (``model_sampling``) from the model being sampled. A model call outside any hooked run (a host without
 run hooks) starts a run of its own.
 """
-import contextlib
 import logging
 import time
-
-import torch
 
 from ..host import sparse_attention_min_tokens
 from . import malloc_graph
@@ -220,7 +217,8 @@ class MergeRuntime:
         return self.steps.locate(sigmas)
 
     def around_model_call(self, apply_model, *args, **kwargs):
-        """Around one call of the model (``BaseModel.apply_model(x, t, ..., transformer_options)``): the
+        """Around one call of the model (``BaseModel.apply_model(x, t, ..., transformer_options)``; current
+        ComfyUI's APPLY_MODEL wrapper, ``apply_model`` its executor): the
         step is located and the plan decisions made before the model runs, outside the diffusion model
         that torch.compile traces (ComfyUI's TorchCompileModel compiles only that); the stats are
         updated after it."""
@@ -255,10 +253,6 @@ class MergeRuntime:
             self._call = None
             if call is not None:
                 self.end_call(call)
-
-    def apply_model_wrapper(self, executor, *args, **kwargs):
-        """Current ComfyUI's APPLY_MODEL wrapper: ``around_model_call``."""
-        return self.around_model_call(executor, *args, **kwargs)
 
     def begin_call(self, transformer_options, batch: int | None) -> ModelCall | None:
         """Locate a model call and decide, for every plan key this run has seen with the call's batch
@@ -355,7 +349,7 @@ class MergeRuntime:
         plan = cached = None if new_destinations else self.plans.by_key.get(key)
         if cached is None or new_weights:
             try:  # the plan outlives the block call: made outside the host's malloc graph (malloc_graph.py)
-                with self.stage("select"), malloc_graph.kept_past_block():
+                with self.stages.stage("select"), malloc_graph.kept_past_block():
                     given = None if cached is None else getattr(cached, "destinations", None)
                     plan = self.plans.build(call, level, rows, features, given, key)
             except Exception:  # never crash mid-sampling: run this block unmerged from now on
@@ -384,15 +378,6 @@ class MergeRuntime:
         the run's stats only after the call: end_call)."""
         calls = (self._call, self._loose[1] if self._loose is not None else None)
         return level in self._levels or any(call is not None and level in call.merged for call in calls)
-
-    def stage(self, kind: str):
-        """Time the block as the merging stage ``kind`` ("select", "merge", "unmerge"); untimed while
-        torch.compile traces it (a clock read there would break the graph, and inside a compiled graph
-        there is no stage to time: the stats say the stages went untimed)."""
-        if torch.compiler.is_compiling():
-            self.stages.untimed = True
-            return contextlib.nullcontext()
-        return self.stages.timing(kind)
 
     # -- reading ------------------------------------------------------------------------------
     def report(self) -> RunReport:

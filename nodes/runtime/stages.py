@@ -37,6 +37,15 @@ class StageClock:
         self.pending.clear()
         self.untimed = False
 
+    def stage(self, stage: str):
+        """Time the block as ``stage`` ("select", "merge", "unmerge"); untimed while torch.compile traces it (a
+        clock read there would break the graph, and inside a compiled graph there is no stage to time: the stats
+        say the stages went untimed)."""
+        if torch.compiler.is_compiling():
+            self.untimed = True
+            return contextlib.nullcontext()
+        return self.timing(stage)
+
     @contextlib.contextmanager
     def timing(self, stage: str):
         """Time the block as ``stage``, telling the listeners where it begins and ends."""
