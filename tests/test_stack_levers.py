@@ -20,6 +20,16 @@ def test_variants_read_cache_toma_and_levers():
     assert (node.cache, node.ratio, node.node, node.levers) == ("TeaCache", None, True, ())
     plain = stack_levers.parse_variant("unpatched")
     assert (plain.cache, plain.ratio, plain.node) == (None, None, False)
+    assert stack_levers.parse_variant("lc0.5+r0.3+corr").levers == ("corr",)
+
+
+def test_each_proxy_takes_the_ratios_its_real_size_model_was_priced_at():
+    wan = stack_levers.ARCHES["wan32"].per_call
+    assert stack_levers.parse_variant("lc0.5+r0.9", wan).ratio == 0.9
+    with pytest.raises(ValueError, match="ratio 0.9 has no per-call speed-up"):
+        stack_levers.parse_variant("lc0.5+r0.9")  # flux32's
+    args = stack_levers.parse_args(["--arch", "wan32", "lc0.5+r0.7"])
+    assert (args.side, args.proxy.name, args.variants[0].ratio) == (64, "wan32_proxy.safetensors", 0.7)
 
 
 @pytest.mark.parametrize("name, why", [
@@ -49,10 +59,10 @@ def test_a_run_on_a_tiny_flux_counts_calls_and_records_the_cache_the_node_found(
     proxy_training.save(model, tmp_path / "tiny.safetensors", proxy.FLUX_TINY, {"size": "tiny", "steps": 0})
     setup = ["--proxy", str(tmp_path / "tiny.safetensors"), "--side", "16", "--batch", "1", "--steps", "10",
              "--reference", str(tmp_path / "unpatched.pt")]
-    done = levers(comfy, "lc0.5+r0.3", "lc0.5+node", *setup, "--out", str(tmp_path / "rows.json"))
+    done = levers(comfy, "lc0.5+r0.3", "lc0.5+node", "lc0.5+r0.3+corr", *setup, "--out", str(tmp_path / "rows.json"))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
-    assert list(rows) == ["unpatched", "lc0.5+r0.3", "lc0.5+node"]  # the reference first, as none was cached
+    assert list(rows) == ["unpatched", "lc0.5+r0.3", "lc0.5+node", "lc0.5+r0.3+corr"]  # the reference first
     assert (rows["unpatched"]["calls"], rows["unpatched"]["merged_calls"], rows["unpatched"]["psnr"]) == (10, 0, None)
     assert rows["unpatched"]["modelled"] == 1.0
     hand, node = rows["lc0.5+r0.3"], rows["lc0.5+node"]
@@ -63,6 +73,13 @@ def test_a_run_on_a_tiny_flux_counts_calls_and_records_the_cache_the_node_found(
     assert node["stack"]["ratio"] == 0.3 and node["merged_calls"] > 0
     line = next(line for line in done.stdout.splitlines() if line.startswith("lc0.5+node "))
     assert "merges at ratio 0.3" in line and f"{node['calls']} ({node['merged_calls']})" in line
+    # the correction: the calls that chose destinations ran unmerged too (not counted as calls), each priced whole
+    corr = rows["lc0.5+r0.3+corr"]
+    assert 0 < corr["unmerged_runs"] <= corr["merged_calls"] <= corr["calls"] <= 10
+    per_call = stack_levers.ARCHES["flux32"].per_call[0.3]
+    assert corr["modelled"] == pytest.approx(
+        10 / (corr["merged_calls"] / per_call + corr["calls"] - corr["merged_calls"] + corr["unmerged_runs"]))
+    assert corr["psnr"] != hand["psnr"]
     # the cached reference serves the same settings only
     other = levers(comfy, "lc0.5", *setup[:-4], "--steps", "8", *setup[-2:])
     assert other.returncode != 0 and "made with" in other.stderr and "'steps': 10" in other.stderr

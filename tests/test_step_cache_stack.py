@@ -165,9 +165,10 @@ def test_in_a_short_run_the_node_keeps_its_own_setting(pack, flux):
     assert runtime.summary()["step_cache"]["ratio"] == pack.nodes.runtime.step_caches.STACK_SETTINGS["EasyCache"].ratio
 
 
-def test_on_a_kind_of_model_without_a_stack_setting_the_node_keeps_its_own(pack):
-    """On a video DiT (the tiny Wan), for which no stack setting was measured, the basic node beside an EasyCache
-    that skips nothing (threshold 0) says it found the cache and samples what it samples without one."""
+def test_on_a_video_dit_the_node_keeps_its_own_setting_and_says_why(pack):
+    """On a video DiT (the tiny Wan), whose fronts chose the node's own setting beside a cache, the basic node beside
+    an EasyCache that skips nothing (threshold 0) says it found the cache and why it keeps its setting, and samples
+    what it samples without one."""
     import comfy.supported_models
 
     row = ROWS["wan"]
@@ -184,6 +185,7 @@ def test_on_a_kind_of_model_without_a_stack_setting_the_node_keeps_its_own(pack)
     stacked = run(core_cache("EasyCache")(patched, 0.0))
     summary = runtime.summary()
     assert summary["step_cache"]["cache"] == "EasyCache" and "own setting" in summary["step_cache"]["setting"]
+    assert pack.nodes.runtime.step_caches.OWN_SETTING_MEASURED["video"] in summary["step_cache"]["setting"]
     assert summary["step_cache"]["ratio"] == pack.nodes.placement.PRESETS["video"].ratio
     assert torch.equal(stacked, run(basic(pack, base)[0]))
 

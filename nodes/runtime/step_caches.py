@@ -73,6 +73,17 @@ STACK_SETTINGS = {
     "MagCache": StackSetting(ratio=0.3, aside_below=math.inf),  # its node allows at most 0.3
 }
 
+# Kinds of model whose fronts beside the caches were measured and chose the node's own setting (docs/stacking.md,
+# "With a step cache"): why, in words. On the Wan proxy at 20 steps LazyCache alone keeps 35-46 dB and ToMA at any
+# ratio 28 dB or less, so no ratio, rotation, plan count, window or weight interval tried keeps the cache's picture,
+# and the node's own setting gives the stack's fastest point (beside LazyCache 0.5: 4.20x at 20.83 dB against
+# ToMA's own 2.52x at 21.09). On the SDXL proxy ToMA's call is no faster eager, so beside a cache it adds no speed.
+OWN_SETTING_MEASURED = {
+    "video": "on video DiTs no lower ratio or lever tried keeps the cache's picture, and its own setting is the "
+             "stack's fastest point",
+    "sdxl": "on SDXL UNets ToMA adds no speed beside a cache (its call is no faster eager)",
+}
+
 
 def _core_cache(options: dict, key: str, kind: str) -> StepCache | None:
     wrappers = options.get("wrappers") or {}
@@ -171,8 +182,8 @@ class CacheStack:
             return (self.own, f"merges with its own setting in this {short}-step run (the stack setting is for longer "
                     "runs)", own_ratio)
         if self.model_kind not in setting.model_kinds:
-            return (self.own, "merges with its own setting (no stack setting measured for this kind of model yet)",
-                    own_ratio)
+            why = OWN_SETTING_MEASURED.get(self.model_kind, "no stack setting measured for this kind of model yet")
+            return self.own, f"merges with its own setting ({why})", own_ratio
         schedule = copy.deepcopy(self.own.schedule)
         if setting.steps_aside(cache):
             why = (f"{cache.kind} at threshold {cache.settings['threshold']:g} keeps far more of the picture alone "
