@@ -115,6 +115,17 @@ def test_rotation_compiles_clean_and_a_rebuild_traces_no_new_graph(pack, unet, w
     assert first.graphs <= 3, str(first)  # the first call, calls choosing destinations, calls refreshing weights
 
 
+def test_a_grid_the_windows_do_not_tile_traces_one_graph_for_every_later_build(pack, unet):
+    """New destinations every step on a grid the windows do not tile (16x16 tokens in 6x6 windows: the engine's
+    destination mask is a view that drops a column past each window): the counts every later build is handed
+    have one layout, so a compiled run traces its first call and one graph for all the builds after it (a third
+    graph, for counts of a second layout, came before the plan store kept them whole)."""
+    model, _ = patched(pack, unet, "on", window=6, reuse=1)
+    first, report = dit_checks.check_compiles_clean(pack, model, sample_unet)
+    assert any(plan.grid.padded for plan in report.plans.values()), "no grid the windows do not tile"
+    assert first.graphs == 2 and not any("stride" in reason for reason in first.recompiles), str(first)
+
+
 def test_the_merge_map_marks_the_destinations_that_rotated_in(pack, unet):
     """With rotation a level's record knows the record before it, and the map gives each kept token that
     record did not keep a white dot; without rotation no record does, and no dot is white."""

@@ -153,6 +153,10 @@ class PlanStore:
         """Keep the counts of rotating destinations a plan of counts key ``key`` was built with, for the key's
         next build, and add to the run's sums the destinations it kept from the key's previous build: a few
         kernels after the model call, on the device (read only by ``destinations_kept``)."""
+        # a key's first build hands its counts on as a view (the engine's mask drops a column past the window):
+        # kept whole, every later build is given counts of one layout, so a compiled block traces no graph for a
+        # second layout (a copy at the key's first build only; a no-op on counts already whole)
+        counts = counts.contiguous()
         previous = self.chosen.get(key)
         chosen = counts if previous is None else counts - previous  # this build's destinations, 0/1
         last = self.last_chosen.get(key)
