@@ -15,7 +15,8 @@ from toma_bench import comfy_host, proxy, proxy_training, stack_levers
 def test_variants_read_cache_toma_and_levers():
     v = stack_levers.parse_variant("lc0.3+r0.2+calls+fixed+reuse3+wgt5")
     assert (v.cache, v.threshold, v.ratio, v.node) == ("LazyCache", 0.3, 0.2, False)
-    assert (v.lever("reuse", 5), v.lever("wgt", 1), "calls" in v.levers) == (3, 5, True)
+    reuse, wgt = stack_levers.lever_number(v.levers, "reuse", 5), stack_levers.lever_number(v.levers, "wgt", 1)
+    assert (reuse, wgt, "calls" in v.levers) == (3, 5, True)
     node = stack_levers.parse_variant("tc0.4+node")
     assert (node.cache, node.ratio, node.node, node.levers) == ("TeaCache", None, True, ())
     plain = stack_levers.parse_variant("unpatched")

@@ -69,9 +69,6 @@ class Variant:
     node: bool
     levers: tuple[str, ...]
 
-    def lever(self, prefix: str, default: int) -> int:
-        return lever_number(self.levers, prefix, default)
-
 
 def lever_number(levers: tuple[str, ...], prefix: str, default: int) -> int:
     """N of the lever "<prefix>N" in ``levers`` ("reuse5" -> 5); ``default`` where there is none."""
